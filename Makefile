@@ -1,0 +1,24 @@
+# GraniKV reproduction suite. `make help` lists the targets.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_PIN := torch==2.13.0
+
+.DEFAULT_GOAL := help
+.PHONY: help setup test
+
+help: ## List the targets and what each does
+	@grep -E '^[a-z][a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+setup: $(STAMP) ## Create .venv: torch==2.13.0 (CPU build) first, then the project with its dev extra
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q $(TORCH_PIN)
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: setup ## Run the CPU test suite (installs what it needs on a bare machine)
+	$(BIN)/python -m pytest -q

@@ -1,0 +1,89 @@
+"""HOT-first admission of shared prefixes, COLD fallback, no demotion (paper B.10)."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from granikv.kv.prefix_index import Node, PrefixIndex
+from granikv.kv.hot_pool import Slab
+
+
+@dataclass
+class Placement:
+    """Where a request's shared prefix lives after admission.
+
+    ``where`` is ``"hit"`` (already cached), ``"hot"`` (new HOT slab) or ``"cold"`` (new COLD
+    ids, the paged fallback). ``slots`` ``[shared_len]`` are the prefix's global slot ids;
+    ``new_from`` is the first token position whose KV the caller must compute (``shared_len``
+    on a full hit); ``node`` is the index node of the prefix's last token, already locked
+    once for this request (unlock it when the request finishes).
+    """
+
+    where: str
+    shared_len: int
+    slots: torch.Tensor
+    new_from: int
+    node: Node
+    slab: Slab | None = None
+
+
+@dataclass
+class Admission:
+    """Admits shared prefixes into the index: HOT if a contiguous extent fits, else COLD.
+
+    A HOT prefix is never demoted or moved while cached. ``enable_hot=False`` (or a HOT
+    pool of size 0) is the paged baseline. When neither pool has room, unlocked LRU
+    leaves are evicted first; if that is not enough, ``admit`` returns None and nothing
+    was changed. ``log`` records each admission's placement, ``counts`` tallies them.
+    """
+
+    index: PrefixIndex
+    enable_hot: bool = True
+    log: list[tuple[int, str, int]] = field(default_factory=list)  # (shared_len, where, slot_start)
+    counts: Counter = field(default_factory=Counter)
+
+    def admit(self, tokens: Sequence[int], shared_len: int) -> Placement | None:
+        if shared_len <= 0 or shared_len > len(tokens):
+            raise ValueError(f"Admission.admit: shared_len must be in [1, len(tokens)={len(tokens)}], got {shared_len}")
+        prefix = tokens[:shared_len]
+        m = self.index.match(prefix)
+        if m.length == shared_len:
+            self.index.lock(m.node)
+            return self._record(Placement("hit", shared_len, m.slots, shared_len, m.node))
+        self.index.lock(m.node)  # pin the cached part while we make room
+        try:
+            need = shared_len - m.length
+            slab, ids = self._alloc_hot(need), None
+            if slab is None:
+                ids = self._alloc_cold(need)
+                if ids is None:
+                    return None
+        finally:
+            self.index.unlock(m.node)
+        new = torch.arange(slab.start, slab.end, dtype=torch.int64) if slab is not None else ids
+        slots = torch.cat((m.slots, new.to(m.slots.device)))
+        self.index.insert(prefix, slots, slab=slab)
+        node = self.index.match(prefix).node
+        self.index.lock(node)
+        where = "hot" if slab is not None else "cold"
+        return self._record(Placement(where, shared_len, slots, m.length, node, slab))
+
+    def _alloc_hot(self, n: int) -> Slab | None:
+        if not self.enable_hot or self.index.hot_pool.capacity == 0:
+            return None
+        return self.index.hot_pool.alloc(n)  # no eviction for HOT: a fitting extent or COLD
+
+    def _alloc_cold(self, n: int) -> torch.Tensor | None:
+        pool = self.index.cold_pool
+        if pool.free_tokens < n:
+            self.index.evict(n - pool.free_tokens)
+        return pool.alloc(n) if pool.free_tokens >= n else None
+
+    def _record(self, p: Placement) -> Placement:
+        start = int(p.slots[p.new_from]) if p.new_from < p.shared_len else -1
+        self.log.append((p.shared_len, p.where, start))
+        self.counts[p.where] += 1
+        return p

@@ -1,0 +1,99 @@
+"""HOT pool: contiguous slabs of token slots, one slab per shared prefix (first-fit)."""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Slab:
+    """A contiguous run of token slots ``[start, start + length)`` in the HOT region.
+
+    ``start`` is a global slot index (HOT rows come first in :class:`KVCache`), so a slab
+    is both a plain view ``k[start:start+length]`` for dense kernels and a range of
+    global ids for paged kernels.
+    """
+
+    start: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+class HotPool:
+    """First-fit allocator of contiguous extents over ``capacity`` token slots.
+
+    Free space is a sorted list of disjoint extents ``(start, length)``; ``free`` coalesces a
+    returned slab with its neighbours. A slab is never moved once allocated (no compaction),
+    which is what keeps dense-backend addressing static while a prefix is cached.
+    """
+
+    def __init__(self, capacity: int, offset: int = 0):
+        if not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"HotPool capacity must be an int >= 0, got {capacity!r}")
+        self.capacity = capacity
+        self.offset = offset
+        self._starts: list[int] = [offset] if capacity else []  # sorted free extent starts
+        self._lens: list[int] = [capacity] if capacity else []
+        self._live: dict[int, int] = {}  # start -> length of allocated slabs
+
+    @property
+    def free_tokens(self) -> int:
+        return sum(self._lens)
+
+    @property
+    def used_tokens(self) -> int:
+        return self.capacity - self.free_tokens
+
+    @property
+    def largest_free_extent(self) -> int:
+        return max(self._lens, default=0)
+
+    @property
+    def slabs(self) -> list[Slab]:
+        """Allocated slabs, by start."""
+        return [Slab(s, n) for s, n in sorted(self._live.items())]
+
+    def alloc(self, n: int) -> Slab | None:
+        """First free extent of at least ``n`` slots, or None when no extent is large enough."""
+        if not isinstance(n, int) or n <= 0:
+            raise ValueError(f"HotPool.alloc(n): n must be a positive int, got {n!r}")
+        for i, length in enumerate(self._lens):
+            if length >= n:
+                start = self._starts[i]
+                if length == n:
+                    del self._starts[i], self._lens[i]
+                else:
+                    self._starts[i] = start + n
+                    self._lens[i] = length - n
+                self._live[start] = n
+                return Slab(start, n)
+        return None
+
+    def free(self, slab: Slab) -> None:
+        """Return a whole slab; raises if it is not a live allocation (double free, wrong size)."""
+        length = self._live.get(slab.start)
+        if length is None:
+            raise ValueError(f"HotPool.free: slab {slab} is not allocated (double free or foreign slab)")
+        if length != slab.length:
+            raise ValueError(
+                f"HotPool.free: slab {slab} does not match the allocation at start={slab.start} "
+                f"(length {length}); a HOT slab is freed only whole")
+        del self._live[slab.start]
+        i = bisect.bisect_left(self._starts, slab.start)
+        start, n = slab.start, slab.length
+        # coalesce with the right neighbour, then the left one
+        if i < len(self._starts) and self._starts[i] == start + n:
+            n += self._lens[i]
+            del self._starts[i], self._lens[i]
+        if i > 0 and self._starts[i - 1] + self._lens[i - 1] == start:
+            self._lens[i - 1] += n
+        else:
+            self._starts.insert(i, start)
+            self._lens.insert(i, n)
+
+    def free_extents(self) -> list[tuple[int, int]]:
+        """Free extents as ``(start, length)``, sorted and coalesced."""
+        return list(zip(self._starts, self._lens))

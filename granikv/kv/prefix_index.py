@@ -1,0 +1,243 @@
+"""Radix tree over token ids mapping cached tokens to KV slot locations (HOT slab or COLD ids)."""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from granikv.kv.cold_pool import ColdPool
+from granikv.kv.hot_pool import HotPool, Slab
+
+_clock = itertools.count()
+
+
+class Node:
+    """A radix-tree edge: ``key`` tokens whose KV lives at global ``slots`` ``[len(key)]``.
+
+    ``slab`` is the HOT slab these slots belong to (None for COLD). Several nodes may share
+    one slab after a split; the slab is freed only when all of them are evicted together.
+    """
+
+    __slots__ = ("key", "slots", "slab", "parent", "children", "lock_ref", "last_access")
+
+    def __init__(self, key: tuple, slots: torch.Tensor, slab: Slab | None, parent: "Node | None"):
+        self.key = key
+        self.slots = slots
+        self.slab = slab
+        self.parent = parent
+        self.children: dict[int, Node] = {}
+        self.lock_ref = 0
+        self.last_access = next(_clock)
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def __repr__(self) -> str:
+        where = f"hot@{self.slab.start}" if self.slab else "cold"
+        return f"Node(len={len(self.key)}, {where}, lock={self.lock_ref})"
+
+
+@dataclass
+class PrefixMatch:
+    """Result of :meth:`PrefixIndex.match`.
+
+    ``length`` tokens are cached; their slots are ``slots`` ``[length]`` (global ids);
+    ``node`` is the deepest matched node (lock it to pin the path; the root when nothing
+    matched); ``hot_runs`` lists ``(token_pos, slot_start, length)`` runs of the match that
+    are contiguous HOT rows, in token order.
+    """
+
+    length: int
+    slots: torch.Tensor
+    node: Node
+    hot_runs: list[tuple[int, int, int]]
+
+    def longest_hot_run(self) -> tuple[int, int, int] | None:
+        return max(self.hot_runs, key=lambda r: r[2], default=None)
+
+
+class PrefixIndex:
+    """One radix index over both pools (RadixAttention-style), with lock refs and LRU eviction.
+
+    ``insert`` records where tokens' KV lives; ``match`` returns the longest cached prefix
+    (splitting a node at the match boundary so the result can be locked exactly); ``lock``
+    pins a path (a locked node is never evicted); ``evict`` frees least-recently-used
+    unlocked leaves back to the pool they came from, a HOT slab only as a whole.
+    """
+
+    def __init__(self, hot_pool: HotPool, cold_pool: ColdPool):
+        self.hot_pool = hot_pool
+        self.cold_pool = cold_pool
+        self.root = Node((), torch.empty(0, dtype=torch.int64), None, None)
+        self.root.lock_ref = 1  # the root is never evicted
+        self._slab_nodes: dict[int, set[Node]] = {}  # slab.start -> nodes holding its slots
+        self.cached_tokens = 0
+        self.evicted_tokens = 0
+
+    # ------------------------------------------------------------------ lookup
+    def match(self, tokens: Sequence[int]) -> PrefixMatch:
+        """Longest cached prefix of ``tokens``; touches the path for LRU."""
+        key = tuple(tokens)
+        node, pos = self.root, 0
+        parts: list[torch.Tensor] = []
+        runs: list[tuple[int, int, int]] = []
+        stamp = next(_clock)
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                break
+            n = _common_len(child.key, key, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = stamp
+            parts.append(child.slots)
+            if child.slab is not None:
+                start = int(child.slots[0])
+                if runs and runs[-1][1] + runs[-1][2] == start and runs[-1][0] + runs[-1][2] == pos:
+                    p, s, ln = runs[-1]
+                    runs[-1] = (p, s, ln + n)
+                else:
+                    runs.append((pos, start, n))
+            node, pos = child, pos + n
+        slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        return PrefixMatch(pos, slots, node, runs)
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, tokens: Sequence[int], slots: torch.Tensor, slab: Slab | None = None) -> int:
+        """Record that ``tokens``' KV lives at ``slots`` ``[len(tokens)]`` (global ids).
+
+        Returns how many leading tokens were already cached: their entries in ``slots`` are
+        not taken (the caller still owns those slots and frees its duplicates). With
+        ``slab``, the newly cached tail must lie inside that HOT slab.
+        """
+        key = tuple(tokens)
+        if slots is None:
+            raise ValueError("PrefixIndex.insert: slots is required (tokens without locations)")
+        if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.numel() != len(key):
+            got = tuple(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__
+            raise ValueError(f"PrefixIndex.insert: slots must be a 1-D tensor with one id per token "
+                             f"({len(key)}), got {got}")
+        if len(key) == 0:
+            return 0
+        slots = slots.to(torch.int64)
+        m = self.match(key)
+        node, done = m.node, m.length
+        if done == len(key):
+            return done
+        tail = slots[done:]
+        if slab is not None:
+            lo, hi = int(tail.min()), int(tail.max())
+            if lo < slab.start or hi >= slab.end:
+                raise ValueError(f"PrefixIndex.insert: new slots [{lo}, {hi}] are not inside {slab}")
+        new = Node(key[done:], tail.clone(), slab, node)
+        node.children[key[done]] = new
+        if slab is not None:
+            self._slab_nodes.setdefault(slab.start, set()).add(new)
+        self.cached_tokens += len(new)
+        return done
+
+    def _split(self, child: Node, n: int) -> Node:
+        """Split ``child`` after its first ``n`` tokens; returns the new upper node."""
+        upper = Node(child.key[:n], child.slots[:n], child.slab, child.parent)
+        upper.lock_ref = child.lock_ref
+        upper.last_access = child.last_access
+        child.parent.children[child.key[0]] = upper
+        child.key, child.slots = child.key[n:], child.slots[n:]
+        child.parent = upper
+        upper.children[child.key[0]] = child
+        if child.slab is not None:
+            self._slab_nodes[child.slab.start].add(upper)
+        return upper
+
+    # ------------------------------------------------------------------ locks
+    def lock(self, node: Node) -> None:
+        """Pin ``node`` and its ancestors (reference counts up the path)."""
+        while node is not None and node is not self.root:
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        n = node
+        while n is not None and n is not self.root:
+            if n.lock_ref <= 0:
+                raise ValueError(f"PrefixIndex.unlock: {n} is not locked (unlock without lock)")
+            n = n.parent
+        while node is not None and node is not self.root:
+            node.lock_ref -= 1
+            node = node.parent
+
+    # ------------------------------------------------------------------ eviction
+    def evictable_tokens(self) -> int:
+        return sum(len(n) for n in self._nodes() if n.lock_ref == 0)
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` (if possible) from LRU unlocked leaves; returns tokens freed."""
+        if num_tokens < 0:
+            raise ValueError(f"PrefixIndex.evict: num_tokens must be >= 0, got {num_tokens}")
+        heap = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            if node.parent is None or node.children or node.lock_ref:
+                continue  # stale entry
+            if node.slab is None:
+                removed = [node]
+                self.cold_pool.free(node.slots)
+                freed += len(node)
+            else:
+                group = self._slab_nodes[node.slab.start]
+                if any(g.lock_ref for g in group) or any(c not in group for g in group for c in g.children.values()):
+                    continue  # the slab goes only whole; pushed again when its blockers go
+                removed = list(group)
+                del self._slab_nodes[node.slab.start]
+                self.hot_pool.free(node.slab)
+                freed += node.slab.length
+            for r in removed:
+                if r.parent is not None and r.parent.children.get(r.key[0]) is r:
+                    del r.parent.children[r.key[0]]
+            for r in removed:
+                self.cached_tokens -= len(r)
+                parent, r.parent = r.parent, None
+                if parent is None or parent is self.root or parent.parent is None:
+                    continue
+                if parent.slab is not None:  # a blocked slab may be free to go now
+                    for g in self._slab_nodes.get(parent.slab.start, ()):
+                        if not g.children and g.lock_ref == 0:
+                            heapq.heappush(heap, (g.last_access, id(g), g))
+                elif not parent.children and parent.lock_ref == 0:
+                    heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        self.evicted_tokens += freed
+        return freed
+
+    # ------------------------------------------------------------------ introspection
+    def _nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def nodes(self) -> list[Node]:
+        return list(self._nodes())
+
+    def slab_of(self, node: Node) -> Slab | None:
+        return node.slab
+
+
+def _common_len(a: tuple, key: tuple, pos: int) -> int:
+    """Length of the common prefix of ``a`` and ``key[pos:]``."""
+    n = min(len(a), len(key) - pos)
+    if a[:n] == key[pos:pos + n]:
+        return n
+    lo, hi = 0, n  # binary search on slice equality: C-speed compares, O(log n) of them
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == key[pos:pos + mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
