@@ -1,0 +1,1 @@
+"""Attention: exact reference, FlashInfer wrappers, prefix backends and the per-step dispatcher."""

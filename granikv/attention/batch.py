@@ -1,0 +1,51 @@
+"""The layout of one decode step that every prefix backend plans from (the engine builds it).
+
+Contract between the engine and the backends: plan once per step from a :class:`DecodeBatch`,
+then run once per layer on that layer's K/V buffers (FlashInfer's plan/run split).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class DecodeBatch:
+    """One decode step: B requests, each with one query token and its KV slots.
+
+    kv_indptr   int64 [B+1]  request i's slots are kv_indices[kv_indptr[i]:kv_indptr[i+1]]
+    kv_indices  int64 [nnz]  global KV slot ids (rows of KVCache buffers): the shared prefix
+                             first, then the request's own tokens, the current token last
+    prefix_lens list[int] [B]  leading slots of request i that are its shared prefix (0 = none)
+    prefix_ids  list[int] [B]  class key: equal id <=> identical prefix slots; -1 = no prefix
+    hot_starts  list[int] [B]  first global row of the prefix when it is one contiguous HOT
+                             run (slots hot_start .. hot_start+prefix_len-1), else -1
+    All index tensors live on the KV buffers' device; the lists are host-side.
+    """
+
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    prefix_lens: list[int]
+    prefix_ids: list[int]
+    hot_starts: list[int]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prefix_lens)
+
+
+class PrefixBackend(Protocol):
+    """A decode-attention backend: ``plan`` once per step, ``run`` once per layer.
+
+    run(q [B, Hq, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D]) -> o [B, Hq, D]
+    ``last_decisions`` describes what the last plan chose (per class), for the step trace.
+    """
+
+    name: str
+    last_decisions: list[dict]
+
+    def plan(self, batch: DecodeBatch) -> None: ...
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor: ...

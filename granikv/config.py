@@ -1,0 +1,154 @@
+"""Dataclass schemas for every config group; registered in Hydra's ConfigStore (see register()).
+
+Each dataclass checks itself in ``__post_init__`` so a bad value fails before any work, with
+an error that names the key and the fix. YAML under conf/ is validated against these.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+SYSTEMS = ("sglang_default", "sglang_cascade", "hydragen", "granikv")
+BACKENDS = ("paged", "cascade", "hydragen", "granikv")
+DISPATCH = ("table", "dense_only", "cascade_only", "paged_only")
+WORKLOADS = ("synthetic", "sharegpt", "multiprefix")
+ARRIVALS = ("burst", "poisson", "gamma")
+
+
+def _need(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"config error at `{key}`: {msg}")
+
+
+@dataclass
+class ModelConfig:
+    """Decoder shape (Llama / Qwen2 family). Weights are random; only the shape matters."""
+
+    name: str = "tiny"
+    arch: str = "llama"  # llama | qwen2
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    vocab_size: int = 512
+    max_position_embeddings: int = 32768
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict[str, Any]] = None  # Llama-3: factor, low/high_freq_factor, original_max_position_embeddings
+    qkv_bias: bool = False
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self):
+        _need(self.arch in ("llama", "qwen2"), "model.arch", f"'{self.arch}' is not llama or qwen2")
+        for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                  "intermediate_size", "vocab_size", "max_position_embeddings"):
+            _need(int(getattr(self, k)) > 0, f"model.{k}", "must be a positive integer")
+        _need(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
+              f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass
+class SystemConfig:
+    """A system under test: storage layout x prefix-attention backend x dispatch policy."""
+
+    name: str = "granikv"
+    backend: str = "granikv"          # paged | cascade | hydragen | granikv
+    hot_fraction: float = 0.2         # 0 = paged storage (every slot COLD)
+    dispatch: str = "table"           # granikv only: table | dense_only | cascade_only | paged_only
+    tensor_core_decode: str = "auto"  # auto = SGLang's rule (on when Hq/Hkv >= 4) | on | off
+
+    def __post_init__(self):
+        _need(self.backend in BACKENDS, "system.backend", f"'{self.backend}' not in {BACKENDS}")
+        _need(self.dispatch in DISPATCH, "system.dispatch", f"'{self.dispatch}' not in {DISPATCH}")
+        _need(0.0 <= self.hot_fraction < 1.0, "system.hot_fraction", "must be in [0, 1)")
+        _need(self.tensor_core_decode in ("auto", "on", "off"), "system.tensor_core_decode", "auto | on | off")
+
+
+@dataclass
+class WorkloadConfig:
+    """Requests to serve: lengths, shared prefixes and arrival process (all seeded)."""
+
+    kind: str = "synthetic"
+    prefix_len: int = 256             # Lp: shared prefix tokens
+    batch: int = 8                    # B: concurrent requests (synthetic: the number of requests)
+    num_prefixes: int = 1             # k: distinct shared prefixes
+    prefix_lens: Optional[list[int]] = None  # heterogeneous multi-prefix lengths (len == num_prefixes)
+    suffix_len: int = 32              # unique tokens after the prefix (synthetic / multiprefix)
+    output_len: int = 16              # generated tokens per request (synthetic / multiprefix)
+    num_requests: Optional[int] = None  # default: batch (synthetic), 4 x batch (sharegpt)
+    arrival: str = "burst"
+    rate: float = float("inf")        # requests/s for poisson / gamma
+    burstiness: float = 1.0           # gamma shape (1 = Poisson)
+    sharegpt_lengths: Optional[str] = None  # path to the cached length file (default: shipped one)
+
+    def __post_init__(self):
+        _need(self.kind in WORKLOADS, "workload.kind", f"'{self.kind}' not in {WORKLOADS}")
+        _need(self.arrival in ARRIVALS, "workload.arrival", f"'{self.arrival}' not in {ARRIVALS}")
+        for k in ("prefix_len", "suffix_len"):
+            _need(int(getattr(self, k)) >= 0, f"workload.{k}", "must be >= 0")
+        for k in ("batch", "num_prefixes", "output_len"):
+            _need(int(getattr(self, k)) >= 1, f"workload.{k}", "must be >= 1")
+        _need(self.rate > 0, "workload.rate", "must be > 0 (use arrival=burst for all-at-once)")
+        _need(self.burstiness > 0, "workload.burstiness", "must be > 0")
+        if self.prefix_lens is not None:
+            _need(len(self.prefix_lens) == self.num_prefixes, "workload.prefix_lens",
+                  f"needs one length per prefix (num_prefixes={self.num_prefixes})")
+            _need(all(int(x) >= 1 for x in self.prefix_lens), "workload.prefix_lens", "lengths must be >= 1")
+
+
+@dataclass
+class HardwareConfig:
+    """Where a cell runs and with which engine limits (SGLang's defaults where it has them)."""
+
+    name: str = "cpu"
+    device: str = "cpu"               # cpu | cuda
+    dtype: str = "float32"            # float32 on CPU, bfloat16 on GPU
+    gpu_name: str = ""                # decision-table key, e.g. "NVIDIA H200"
+    kv_budget_tokens: Optional[int] = None  # fixed KV budget; else mem_fraction of free memory
+    kv_budget_per_model: Optional[dict[str, int]] = None  # preset budgets by model name (a100_40gb)
+    mem_fraction: float = 0.85        # SGLang's mem_fraction_static analogue
+    cuda_graph_max_bs: int = 256      # SGLang default on this GPU class
+    chunked_prefill_size: int = 8192  # SGLang default
+    max_running_requests: int = 1024
+    peak_tflops: float = 0.0          # measured bf16 dense peak (kernel_bench roofline)
+    peak_tbps: float = 0.0            # measured HBM bandwidth
+    decision_table: Optional[list[dict[str, Any]]] = None  # fitted by runners.calibrate
+
+    def __post_init__(self):
+        _need(self.device in ("cpu", "cuda"), "hardware.device", "cpu | cuda")
+        _need(self.dtype in ("float32", "bfloat16", "float16"), "hardware.dtype", "float32 | bfloat16 | float16")
+        _need(0.0 < self.mem_fraction <= 1.0, "hardware.mem_fraction", "must be in (0, 1]")
+        _need(self.kv_budget_tokens is None or self.kv_budget_tokens > 0, "hardware.kv_budget_tokens", "must be > 0")
+        _need(self.cuda_graph_max_bs >= 0, "hardware.cuda_graph_max_bs", "must be >= 0 (0 = no CUDA graphs)")
+        _need(self.chunked_prefill_size > 0, "hardware.chunked_prefill_size", "must be > 0")
+
+
+@dataclass
+class RunConfig:
+    """One measured cell: the root config composed by Hydra from conf/config.yaml."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    sweep_name: str = "adhoc"
+    results_dir: str = "results/raw"
+    seed: int = 0
+    tp: int = 1
+    rep: int = 0                      # repetition index (part of the cell id)
+    warmup_requests: int = 0          # requests served first and excluded from metrics
+    force: bool = False               # rerun a cell whose metrics.json exists
+    profile_steps: int = 0            # >0: torch.profiler trace of that many decode steps
+    nvml: bool = True                 # sample NVML at ~10 Hz when a GPU is present
+
+    def __post_init__(self):
+        _need(self.tp >= 1, "tp", "must be >= 1")
+        _need(self.model.num_heads % self.tp == 0 and self.model.num_kv_heads % self.tp == 0, "tp",
+              f"tp={self.tp} must divide num_heads={self.model.num_heads} and "
+              f"num_kv_heads={self.model.num_kv_heads} of model '{self.model.name}'")
