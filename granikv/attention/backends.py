@@ -60,6 +60,7 @@ class StepPlan:
     classes: list[ClassPlan]
     rest_indptr: torch.Tensor             # int32 [B+1] (device)
     rest_indices: torch.Tensor            # int32 [nnz_rest] (device)
+    rest_indptr_host: torch.Tensor        # int32 [B+1] (cpu copy, for FlashInfer's plan)
     extra: dict = field(default_factory=dict)
 
 
@@ -145,6 +146,7 @@ class PrefixAttentionBackend:
             raise ValueError(f"{self.name}.plan: a request has fewer KV slots than its prefix_len")
         if not bool(skip.any()):
             rest_indptr, rest_indices = batch.kv_indptr.int(), batch.kv_indices.int()
+            rest_indptr_h = indptr_h
         else:
             rest_lens = lens - skip
             rest_indptr_h = torch.zeros(b + 1, dtype=torch.int64)
@@ -154,7 +156,7 @@ class PrefixAttentionBackend:
             pos = torch.repeat_interleave(shift, rest_lens.to(dev), output_size=nnz) + torch.arange(nnz, device=dev)
             rest_indices = batch.kv_indices[pos].int()
             rest_indptr = rest_indptr_h.to(dev, torch.int32)
-        self._plan = StepPlan(b, classes, rest_indptr, rest_indices)
+        self._plan = StepPlan(b, classes, rest_indptr, rest_indices, rest_indptr_h.int())
         self.last_decisions = [
             {"prefix_id": c.prefix_id, "batch": len(c.rows), "meff": c.meff, "prefix_len": c.prefix_len,
              "hot": c.hot_start >= 0, "backend": c.choice} for c in classes]
