@@ -58,7 +58,7 @@ class WrapperSet:
                     pbufs = {"qo_indptr": torch.zeros(n + 1, **i32), "indptr": torch.zeros(n + 1, **i32),
                              "indices": torch.zeros(nnz, **i32), "last_page_len": torch.ones(n, **i32)}
                 self.prefill = fo.make_prefill_paged_wrapper(self.ws, pbufs)
-        self.last_page_len = torch.ones(b, **i32)
+        self.last_page_len = torch.ones(b, dtype=torch.int32)            # host: FlashInfer's plan reads it on the host
         self.rows_buf = torch.zeros(b, dtype=torch.int64, device=dev)     # split classes' rows, class after class
         self.slots_buf: Optional[torch.Tensor] = None                     # hydragen prefix slots
         lp_h = max((c.prefix_len for c in split if c.choice == "hydragen"), default=0)
@@ -96,7 +96,9 @@ class WrapperSet:
                 soff += c.prefix_len
             self.segments.append((c.choice, self.rows_buf[off:off + n], c.prefix_len, c.hot_start, slots))
             off += n
-        self.identity_rows = len(split) == 1 and split[0].rows == list(range(b))
+        # one class holding every request in batch order: no gather / scatter (eager only: a captured
+        # graph must not depend on the row order, which graph_key() does not include)
+        self.identity_rows = (not self.graph) and len(split) == 1 and split[0].rows == list(range(b))
         cas = [c for c in split if c.choice == "cascade"]
         self.cas_rows = None
         if cas:
