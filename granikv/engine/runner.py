@@ -31,6 +31,28 @@ def graph_sizes(max_bs: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_bs} | ({max_bs} if max_bs else set()))
 
 
+class LogitProbe:
+    """Keeps fp32 decode logits of the first ``rows`` requests (by rid) for the first ``steps`` decode steps.
+
+    ``kept[(rid, k)]`` = logits ``[V]`` (CPU) that produced request ``rid``'s output token ``k``
+    (k >= 1; token 0 comes from prefill). For comparing systems' numerics on the GPU.
+    """
+
+    def __init__(self, rows: int, steps: int):
+        self.rows, self.steps, self.kept = rows, steps, {}
+        self._n = 0
+
+    def keep(self, seqs: list[Seq], logits: torch.Tensor) -> None:
+        if self._n >= self.steps:
+            return
+        self._n += 1
+        pick = [(i, s) for i, s in enumerate(seqs) if s.req.rid < self.rows]
+        if pick:
+            got = logits[torch.tensor([i for i, _ in pick], device=logits.device)].float().cpu()
+            for j, (_, s) in enumerate(pick):
+                self.kept[(s.req.rid, len(s.output_ids))] = got[j]
+
+
 class _WriteThen:
     """The model's attention hook: write this step's K/V at ``slots`` ``[n]``, then run ``attend``."""
 
@@ -63,6 +85,7 @@ class ModelRunner:
         self.graph_pool = None
         self.capture_s = 0.0
         self.eager_reasons: dict[str, int] = {}
+        self.logit_probe: LogitProbe | None = None  # set by benchmarks to keep some decode logits
         n = max(self.sizes, default=1)
         self.ids_buf = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.pos_buf = torch.zeros(n, dtype=torch.int64, device=self.device)
@@ -151,6 +174,8 @@ class ModelRunner:
                 info["eager_reason"] = reason
             h = self.model(ids, pos, _WriteThen(self.kv, slots, self.backend))
             logits = self.model.logits(h)
+        if self.logit_probe is not None:
+            self.logit_probe.keep(seqs, logits[:n])
         return logits[:n].argmax(-1).tolist(), info
 
     def _replay(self, bs: int, ids, pos, slots) -> torch.Tensor:

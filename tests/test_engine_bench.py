@@ -1,0 +1,61 @@
+"""runners.engine_bench on CPU (tiny model): schema-complete cells, identical tokens across systems."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from granikv import rawio
+from runners import engine_bench
+
+pytestmark = pytest.mark.filterwarnings("ignore:no decision-table rules:RuntimeWarning")
+
+
+def test_engine_bench_cpu(tmp_path):
+    out = engine_bench.main(["--model", "tiny", "--hardware", "cpu", "--kv-budget-tokens", "2048",
+                             "--prefix-len", "64", "--batch", "6", "--suffix-len", "5", "--output-len", "6",
+                             "--profile-output-len", "3", "--probe-rows", "3", "--probe-steps", "4",
+                             "--out", str(tmp_path / "eb")])
+    summary = rawio.read_json(out / "summary.json")
+    assert set(summary["systems"]) == {"sglang_default", "sglang_cascade", "hydragen", "granikv"}
+    for name, s in summary["systems"].items():
+        cell = out / name
+        for f in rawio.REQUIRED_FILES["serving"]:
+            assert (cell / f).exists(), f
+        m = rawio.read_json(cell / "metrics.json")
+        missing = [k for k in rawio.SERVING_METRICS if k not in m]
+        assert not missing
+        assert m["num_output_tokens"] == 36 and m["tpot_p50_ms"] > 0
+        reqs = rawio.read_jsonl(cell / "requests.jsonl")
+        assert [len(r["output_ids"]) for r in reqs] == [6] * 6
+        conf = rawio.read_json(cell / "config.json")
+        assert all(k in conf["provenance"] for k in rawio.PROVENANCE_KEYS)
+        # fp32 on CPU: every system reproduces the baseline exactly
+        v = s["vs_sglang_default"]
+        assert v["token_agreement"] == 1.0 and v["identical_requests"] == 1.0
+        assert v["logit_positions_compared"] > 0 and v["max_logit_diff"] < 1e-3
+        assert s["warmup_vs_measured_token_agreement"] == 1.0
+        # CPU trace has no GPU kernels: the share is reported as not measured, with the reason
+        assert s["profile"]["measured"] is False and "kernels" in s["profile"]["reason"]
+    json.dumps(summary)
+
+
+def test_outside_kernel_share_from_trace(tmp_path):
+    """Two 100 us steps; overlapping and boundary-crossing kernels are clipped and merged."""
+    ev = [{"name": "decode_step", "cat": "user_annotation", "ts": 0, "dur": 100},
+          {"name": "decode_step", "cat": "user_annotation", "ts": 200, "dur": 100},
+          {"name": "k", "cat": "kernel", "ts": 10, "dur": 30}, {"name": "k", "cat": "kernel", "ts": 30, "dur": 30},
+          {"name": "k", "cat": "kernel", "ts": 95, "dur": 200}]
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"traceEvents": ev}))
+    r = engine_bench.outside_kernel_share(str(p))
+    # step 1: [10,60] + [95,100] = 55 busy -> 0.45; step 2: [200,295] busy 95 -> 0.05
+    assert r["measured"] and r["decode_steps"] == 2
+    assert r["outside_kernel_share_mean"] == pytest.approx((0.45 + 0.05) / 2)
+
+
+def test_bad_bench_args():
+    with pytest.raises(ValueError, match="--model"):
+        engine_bench.main(["--model", "gpt5", "--hardware", "cpu"])
+    with pytest.raises(ValueError, match="unknown system"):
+        engine_bench.main(["--model", "tiny", "--hardware", "cpu", "--kv-budget-tokens", "512", "--systems", "vllm"])
