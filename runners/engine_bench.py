@@ -226,20 +226,39 @@ def main(argv=None) -> Path:
     ap.add_argument("--probe-rows", type=int, default=8)
     ap.add_argument("--probe-steps", type=int, default=16)
     ap.add_argument("--kv-budget-tokens", type=int, default=None)
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=None, help="override (0 = no CUDA graphs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/raw/engine_bench")
     args = ap.parse_args(argv)
     model = load_model(args.model)
-    hw = load_hardware(args.hardware, {"kv_budget_tokens": args.kv_budget_tokens})
+    hw = load_hardware(args.hardware, {"kv_budget_tokens": args.kv_budget_tokens,
+                                       "cuda_graph_max_bs": args.cuda_graph_max_bs})
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for s in systems:
         system_config(s)  # unknown names fail before any work
     if "sglang_default" not in systems:
         raise ValueError("--systems must include sglang_default (the numerics baseline)")
     out = Path(args.out)
-    got = {s: bench_system(s, args, model, hw, out) for s in systems}
-    base = got["sglang_default"]
-    summary = {"provenance": rawio.provenance(), "bench": vars(args), "systems": {}}
+    if hw.device == "cuda" and not hw.decision_table:
+        print("NOTE: hardware has no decision_table: granikv dispatches by the paper's rule (Meff >= 1024 -> dense)",
+              flush=True)
+    got, failed = {}, {}
+    for s in systems:
+        try:
+            got[s] = bench_system(s, args, model, hw, out)
+        except Exception as e:  # noqa: BLE001 - one system's failure must not lose the others
+            import traceback
+
+            failed[s] = f"{type(e).__name__}: {e}"
+            print(f"[{s}] FAILED: {failed[s]}", flush=True)
+            rawio.write_json(out / s / "failure.json", {"error": failed[s], "traceback": traceback.format_exc(),
+                                                       "bench": vars(args), "provenance": rawio.provenance()})
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    base = got.get("sglang_default")
+    summary = {"provenance": rawio.provenance(), "bench": vars(args), "failed": failed,
+               "decision_table": bool(hw.decision_table), "systems": {}}
     for s, g in got.items():
         m = g["metrics"]
         summary["systems"][s] = {
@@ -248,13 +267,15 @@ def main(argv=None) -> Path:
             "outside_kernel_share": m["profile"].get("outside_kernel_share_mean"), "profile": m["profile"],
             "dispatch_counts": m["dispatch_counts"], "cuda_graph_sizes_captured": m["cuda_graph_sizes_captured"],
             "eager_decode_reasons": m["eager_decode_reasons"],
-            "vs_sglang_default": agreement(base, g),
+            "vs_sglang_default": agreement(base, g) if base else None,
             "warmup_vs_measured_token_agreement": agreement({"records": g["warm_records"], "logits": {}},
                                                             {"records": g["records"], "logits": {}})["token_agreement"]}
     rawio.write_json(out / "summary.json", summary)
     print(json.dumps({s: {k: v for k, v in d.items() if k != "profile"} for s, d in summary["systems"].items()},
                      indent=1, default=str), flush=True)
-    print(f"wrote {out}", flush=True)
+    print(f"wrote {out}" + (f"; FAILED: {sorted(failed)}" if failed else ""), flush=True)
+    if failed:
+        raise SystemExit(1)
     return out
 
 

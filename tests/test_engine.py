@@ -117,14 +117,18 @@ def test_prefix_hits_are_not_recomputed():
         assert sum(s["num_tokens"] for s in res.steps[:first_sharer_step]) >= 120
 
 
-@pytest.mark.parametrize("name", ["sglang_default", "granikv"])
-def test_evictions_under_small_budget(name):
+@pytest.mark.parametrize("name,hot", [("sglang_default", 0.0), ("granikv", 0.2), ("granikv", 0.5)])
+def test_evictions_under_small_budget(name, hot):
     """Four prefix classes served in waves with room for about two prefixes: LRU eviction, same tokens."""
     reqs = workload(11, n=12, k=4, lp=(70, 90), no_prefix=0, out=(2, 6))
     for i, r in enumerate(reqs):
         r.arrival_s = 0.01 * (i // 3)  # waves of three
-    eng = Engine(make_cfg(name, budget=330, max_running_requests=3))
+    cfg = make_cfg(name, budget=400 if hot == 0.5 else 330, max_running_requests=3)
+    cfg.system.hot_fraction = hot
+    eng = Engine(cfg)
     res = eng.run(reqs)
+    if hot == 0.5:  # HOT holds two prefixes; later ones fall back to COLD (no demotion), slabs get evicted
+        assert res.stats["admissions"].get("hot", 0) >= 2 and res.stats["admissions"].get("cold", 0) >= 1
     check_tokens(res, reqs, reference(eng, reqs, "evict"))
     assert res.stats["evicted_tokens"] > 0
     assert res.stats["cold_peak_tokens"] <= res.stats["cold_capacity_tokens"]

@@ -12,6 +12,7 @@ whenever an admission decision depends on it, so all ranks take identical steps.
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -85,6 +86,8 @@ class Engine:
             raise ValueError("config error at `hardware.kv_budget_tokens`: required on CPU; "
                              "e.g. hardware.kv_budget_tokens=4096")
         self.cfg = cfg
+        if hw.device == "cuda" and cfg.tp > 1 and "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # torchrun: one GPU per rank
         self.tp = TPGroup(cfg.tp)
         self.device = torch.device(hw.device, torch.cuda.current_device()) if hw.device == "cuda" else torch.device("cpu")
         self.dtype = DTYPES[hw.dtype]
