@@ -162,6 +162,7 @@ def test_padded_batches_and_step_records():
         assert s["padded_bs"] in (1, 2, 4, 8) and s["padded_bs"] >= s["batch_size"]
         assert s["decisions"] and sum(s["meff"].values()) == 4 * sum(
             d["batch"] for d in s["decisions"] if d["prefix_id"] >= 0)
+        assert sum(d["batch"] for d in s["decisions"]) == s["batch_size"]  # pad rows are not counted
     json.dumps(res.steps)
     assert [s["step"] for s in res.steps] == list(range(len(res.steps)))
 

@@ -41,17 +41,22 @@ def test_engine_bench_cpu(tmp_path):
 
 
 def test_outside_kernel_share_from_trace(tmp_path):
-    """Two 100 us steps; overlapping and boundary-crossing kernels are clipped and merged."""
+    """Two 100 us decode steps 150 us apart; overlapping and boundary-crossing kernels are clipped and merged."""
     ev = [{"name": "decode_step", "cat": "user_annotation", "ts": 0, "dur": 100},
-          {"name": "decode_step", "cat": "user_annotation", "ts": 200, "dur": 100},
+          {"name": "decode_step", "cat": "user_annotation", "ts": 150, "dur": 100},
           {"name": "k", "cat": "kernel", "ts": 10, "dur": 30}, {"name": "k", "cat": "kernel", "ts": 30, "dur": 30},
-          {"name": "k", "cat": "kernel", "ts": 95, "dur": 200}]
+          {"name": "k", "cat": "kernel", "ts": 95, "dur": 145}]
     p = tmp_path / "t.json"
     p.write_text(json.dumps({"traceEvents": ev}))
     r = engine_bench.outside_kernel_share(str(p))
-    # step 1: [10,60] + [95,100] = 55 busy -> 0.45; step 2: [200,295] busy 95 -> 0.05
+    # loop windows: [0,150): busy [10,60]+[95,150] = 105 -> 0.3;  [150,250): busy [150,240] = 90 -> 0.1
+    # forward windows: [0,100): 55 busy -> 0.45;  [150,250): 90 -> 0.1
     assert r["measured"] and r["decode_steps"] == 2
-    assert r["outside_kernel_share_mean"] == pytest.approx((0.45 + 0.05) / 2)
+    assert r["outside_kernel_share_mean"] == pytest.approx((0.3 + 0.1) / 2)
+    assert r["forward_outside_kernel_share_mean"] == pytest.approx((0.45 + 0.1) / 2)
+    ev2 = [e for e in ev if e["cat"] == "user_annotation"] + [{"name": "k", "cat": "kernel", "ts": 400, "dur": 5}]
+    p.write_text(json.dumps({"traceEvents": ev2}))
+    assert engine_bench.outside_kernel_share(str(p))["measured"] is False
 
 
 def test_bad_bench_args():

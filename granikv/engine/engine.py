@@ -54,6 +54,7 @@ def kv_budget_tokens(cfg: RunConfig, bytes_per_token: int, device: torch.device)
         raise ValueError("config error at `hardware.kv_budget_tokens`: required on CPU (there is no "
                          "free GPU memory to take a mem_fraction of); e.g. hardware.kv_budget_tokens=4096")
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the weights' fp32 staging copies are cached, not used
     free, total = torch.cuda.mem_get_info(device)
     avail = free - total * (1.0 - hw.mem_fraction)  # SGLang's mem_fraction_static rule
     n = int(avail // bytes_per_token)
@@ -204,9 +205,19 @@ class Engine:
                     "num_tokens": sum(c.end - c.start for c in chunks), "meff": {}, "decisions": [],
                     "t_start_s": start_s, "step_time_s": dt}
         per_class = Counter(s.req.prefix_class for s in decode if s.req.shared_len > 0)
+        npad = info.get("padded_bs", len(decode)) - len(decode)
+        decisions = []
+        for d in getattr(self.backend, "last_decisions", []):
+            d = dict(d)
+            if npad and d.get("prefix_id") == -1:  # CUDA-graph pad rows are not requests
+                d["batch"] -= npad
+                d["meff"] = d["batch"] * self.group
+                if d["batch"] <= 0:
+                    continue
+            decisions.append(d)
         return {"step": i, "kind": "decode", "batch_size": len(decode), "num_tokens": len(decode),
                 "meff": {str(c): n * self.group for c, n in sorted(per_class.items())},
-                "decisions": [dict(d) for d in getattr(self.backend, "last_decisions", [])],
+                "decisions": decisions,
                 "padded_bs": info.get("padded_bs", len(decode)), "cuda_graph": info.get("graph", False),
                 **({"eager_reason": info["eager_reason"]} if "eager_reason" in info else {}),
                 "t_start_s": start_s, "step_time_s": dt}
