@@ -94,7 +94,7 @@ class PrefixAttentionBackend:
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, tensor_core_decode: str = "auto", sm_scale: Optional[float] = None,
-                 cuda_graph: bool = False):
+                 cuda_graph: bool = False, impl: Optional[str] = None):
         if num_q_heads % num_kv_heads:
             raise ValueError(f"{self.name}: num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         self.hq, self.hkv, self.d = num_q_heads, num_kv_heads, head_dim
@@ -106,8 +106,12 @@ class PrefixAttentionBackend:
         self.cuda_graph = cuda_graph
         self.last_decisions: list[dict] = []
         self._plan: Optional[StepPlan] = None
+        # impl: "torch" (reference math) or "flashinfer"; default by device
+        self.impl = impl or ("flashinfer" if self.device.type == "cuda" else "torch")
+        if self.impl not in ("torch", "flashinfer"):
+            raise ValueError(f"{self.name}: impl must be torch or flashinfer, got {impl!r}")
         self._gpu = None
-        if self.device.type == "cuda":
+        if self.impl == "flashinfer":
             from granikv.attention.gpu_paths import GpuPaths
 
             self._gpu = GpuPaths(self)
