@@ -146,12 +146,8 @@ class Engine:
 
     def _serve(self, requests: list[Request], on_step) -> RunResult:
         self.storage.reset()
-        self.runner.reset()
+        self.runner.resize(max(len(r.prompt_ids) + r.output_len for r in requests))
         self.runner.eager_reasons = {}
-        width = max(len(r.prompt_ids) + r.output_len for r in requests)
-        if self.runner.table.shape[1] < width:
-            self.runner.table = torch.zeros(self.runner.pad_row + 1, width, dtype=torch.int64, device=self.device)
-            self.runner.reset()
         sched = Scheduler(self.storage, self.cfg.hardware, max_rows=self.runner.pad_row)
         sched.add([Seq(r, i) for i, r in enumerate(requests)])
         steps, t0 = [], time.perf_counter()
@@ -209,7 +205,7 @@ class Engine:
         decisions = []
         for d in getattr(self.backend, "last_decisions", []):
             d = dict(d)
-            if npad and d.get("prefix_id") == -1:  # CUDA-graph pad rows are not requests
+            if npad and d.get("prefix_id") == info.get("pad_class", -1):  # CUDA-graph pad rows are not requests
                 d["batch"] -= npad
                 d["meff"] = d["batch"] * self.group
                 if d["batch"] <= 0:
