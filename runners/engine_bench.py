@@ -2,6 +2,7 @@
 
     python -m runners.engine_bench --model llama3_8b --hardware h200 --prefix-len 8192 --batch 256 \\
         --output-len 128 --out results/raw/engine_bench
+    torchrun --nproc_per_node=2 -m runners.engine_bench --model qwen25_14b ...   # TP = world size
 
 For each system: a warm-up pass of the same workload (FlashInfer JIT, CUDA-graph capture, and a
 logit probe of the first decode steps), a measured pass (TTFT / TPOT / ITL / E2E, throughput,
@@ -42,6 +43,12 @@ BUILTIN_MODELS = {  # used only when conf/model/<name>.yaml is absent (same valu
                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                       rms_norm_eps=1e-5),
+    "qwen25_14b": dict(name="qwen25_14b", arch="qwen2", hidden_size=5120, num_layers=48, num_heads=40,
+                       num_kv_heads=8, head_dim=128, intermediate_size=13824, vocab_size=152064,
+                       max_position_embeddings=32768, rope_theta=1e6, qkv_bias=True, rms_norm_eps=1e-5),
+    "qwen25_32b": dict(name="qwen25_32b", arch="qwen2", hidden_size=5120, num_layers=64, num_heads=40,
+                       num_kv_heads=8, head_dim=128, intermediate_size=27648, vocab_size=152064,
+                       max_position_embeddings=32768, rope_theta=1e6, qkv_bias=True, rms_norm_eps=1e-5),
     "tiny": dict(name="tiny"),
 }
 BUILTIN_HW = {
@@ -187,23 +194,48 @@ def agreement(base: dict, other: dict) -> dict:
             "max_logit_diff": max(diffs) if diffs else None, "logit_positions_compared": len(diffs)}
 
 
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def say(msg: str) -> None:
+    if _rank() == 0:
+        print(msg, flush=True)
+
+
+def init_tp(hw: HardwareConfig) -> int:
+    """Under torchrun (WORLD_SIZE > 1): one process group (nccl on GPU, gloo on CPU); returns the TP size."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        import torch.distributed as dist
+
+        if hw.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if hw.device == "cuda" else "gloo")
+    return world
+
+
 def bench_system(name: str, args, model: ModelConfig, hw: HardwareConfig, out: Path) -> dict:
-    cfg = RunConfig(model=model, system=system_config(name), hardware=hw, seed=args.seed, sweep_name="engine_bench")
+    cfg = RunConfig(model=model, system=system_config(name), hardware=hw, seed=args.seed, sweep_name="engine_bench",
+                    tp=args.tp)
     t = time.perf_counter()
     engine = Engine(cfg)
     build_s = time.perf_counter() - t
     reqs = burst(args.seed, model.vocab_size, args.prefix_len, args.batch, args.suffix_len, args.output_len)
-    print(f"[{name}] built in {build_s:.1f}s; kv budget {engine.kv.capacity_tokens} tokens", flush=True)
+    say(f"[{name}] built in {build_s:.1f}s; kv budget {engine.kv.capacity_tokens} tokens")
     engine.runner.logit_probe = LogitProbe(rows=args.probe_rows, steps=args.probe_steps)
     t = time.perf_counter()
     warm = engine.run(reqs)  # warm-up: JIT, graph capture, logit probe
     engine.runner.logit_probe, probe = None, engine.runner.logit_probe
-    print(f"[{name}] warm-up pass {time.perf_counter() - t:.1f}s", flush=True)
+    say(f"[{name}] warm-up pass {time.perf_counter() - t:.1f}s")
     res = engine.run(reqs)
     metrics = serving_metrics(res.records, res.steps, res.stats)
     metrics["build_s"] = build_s
-    print(f"[{name}] TPOT p50 {metrics['tpot_p50_ms']:.2f} ms, output {metrics['output_throughput_tok_s']:.0f} tok/s, "
-          f"dispatch {metrics['dispatch_counts']}, graphs {metrics['cuda_graph_sizes_captured']}", flush=True)
+    say(f"[{name}] TPOT p50 {metrics['tpot_p50_ms']:.2f} ms, output {metrics['output_throughput_tok_s']:.0f} tok/s, "
+          f"dispatch {metrics['dispatch_counts']}, graphs {metrics['cuda_graph_sizes_captured']}")
     prof = {"measured": False, "reason": "--profile-output-len 0"}
     if args.profile_output_len > 0:
         preqs = burst(args.seed, model.vocab_size, args.prefix_len, args.batch, args.suffix_len, args.profile_output_len)
@@ -211,12 +243,22 @@ def bench_system(name: str, args, model: ModelConfig, hw: HardwareConfig, out: P
                                                         if engine.device.type == "cuda" else [])
         with torch.profiler.profile(activities=acts) as p:
             engine.run(preqs)
-        with tempfile.TemporaryDirectory() as d:
+        with tempfile.TemporaryDirectory() as d:  # every rank parses its own trace; rank 0's is written
             path = os.path.join(d, "trace.json")
             p.export_chrome_trace(path)
             prof = outside_kernel_share(path)
     metrics["profile"] = prof
-    cell = out / name
+    kept = {"records": res.records, "logits": probe.kept, "warm_records": warm.records}
+    if _rank() == 0:
+        write_cell(out / name, cfg, args, res, metrics)
+    del engine, warm, res
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"metrics": metrics, **kept}
+
+
+def write_cell(cell: Path, cfg: RunConfig, args, res, metrics: dict) -> None:
     conf = {"config": dataclasses.asdict(cfg), "bench": vars(args), "provenance": rawio.provenance()}
     rawio.write_json(cell / "config.json", conf)
     rawio.write_jsonl(cell / "requests.jsonl", [
@@ -226,12 +268,6 @@ def bench_system(name: str, args, model: ModelConfig, hw: HardwareConfig, out: P
          "token_times_s": r.token_times_s} for r in res.records])
     rawio.write_jsonl(cell / "steps.jsonl", res.steps)
     rawio.write_json(cell / "metrics.json", metrics)
-    kept = {"records": res.records, "logits": probe.kept, "warm_records": warm.records}
-    del engine, warm, res
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return {"metrics": metrics, **kept}
 
 
 def main(argv=None) -> Path:
@@ -254,6 +290,7 @@ def main(argv=None) -> Path:
     model = load_model(args.model)
     hw = load_hardware(args.hardware, {"kv_budget_tokens": args.kv_budget_tokens,
                                        "cuda_graph_max_bs": args.cuda_graph_max_bs})
+    args.tp = init_tp(hw)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for s in systems:
         system_config(s)  # unknown names fail before any work
@@ -261,8 +298,7 @@ def main(argv=None) -> Path:
         raise ValueError("--systems must include sglang_default (the numerics baseline)")
     out = Path(args.out)
     if hw.device == "cuda" and not hw.decision_table:
-        print("NOTE: hardware has no decision_table: granikv dispatches by the paper's rule (Meff >= 1024 -> dense)",
-              flush=True)
+        say("NOTE: hardware has no decision_table: granikv dispatches by the paper's rule (Meff >= 1024 -> dense)")
     got, failed = {}, {}
     for s in systems:
         try:
@@ -271,9 +307,10 @@ def main(argv=None) -> Path:
             import traceback
 
             failed[s] = f"{type(e).__name__}: {e}"
-            print(f"[{s}] FAILED: {failed[s]}", flush=True)
-            rawio.write_json(out / s / "failure.json", {"error": failed[s], "traceback": traceback.format_exc(),
-                                                       "bench": vars(args), "provenance": rawio.provenance()})
+            print(f"[{s}] rank {_rank()} FAILED: {failed[s]}", flush=True)
+            if _rank() == 0:
+                rawio.write_json(out / s / "failure.json", {"error": failed[s], "traceback": traceback.format_exc(),
+                                                           "bench": vars(args), "provenance": rawio.provenance()})
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -291,10 +328,11 @@ def main(argv=None) -> Path:
             "vs_sglang_default": agreement(base, g) if base else None,
             "warmup_vs_measured_token_agreement": agreement({"records": g["warm_records"], "logits": {}},
                                                             {"records": g["records"], "logits": {}})["token_agreement"]}
-    rawio.write_json(out / "summary.json", summary)
-    print(json.dumps({s: {k: v for k, v in d.items() if k != "profile"} for s, d in summary["systems"].items()},
-                     indent=1, default=str), flush=True)
-    print(f"wrote {out}" + (f"; FAILED: {sorted(failed)}" if failed else ""), flush=True)
+    if _rank() == 0:
+        rawio.write_json(out / "summary.json", summary)
+    say(json.dumps({s: {k: v for k, v in d.items() if k != "profile"} for s, d in summary["systems"].items()},
+                   indent=1, default=str))
+    say(f"wrote {out}" + (f"; FAILED: {sorted(failed)}" if failed else ""))
     if failed:
         raise SystemExit(1)
     return out

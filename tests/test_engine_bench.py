@@ -64,3 +64,51 @@ def test_bad_bench_args():
         engine_bench.main(["--model", "gpt5", "--hardware", "cpu"])
     with pytest.raises(ValueError, match="unknown system"):
         engine_bench.main(["--model", "tiny", "--hardware", "cpu", "--kv-budget-tokens", "512", "--systems", "vllm"])
+
+
+def _bench_rank(rank, world, port, out, q):
+    import os
+
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    try:
+        engine_bench.main(["--model", "tiny", "--hardware", "cpu", "--kv-budget-tokens", "1024",
+                           "--systems", "sglang_default,granikv", "--prefix-len", "40", "--batch", "4",
+                           "--suffix-len", "3", "--output-len", "4", "--profile-output-len", "0", "--out", out])
+        q.put((rank, "ok"))
+    except BaseException as e:  # noqa: BLE001
+        q.put((rank, f"{type(e).__name__}: {e}"))
+        raise
+
+
+def test_engine_bench_tp2_gloo(tmp_path):
+    """Under torchrun-style env (WORLD_SIZE=2, gloo), tp = world size, one summary, same tokens as TP=1."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    one = engine_bench.main(["--model", "tiny", "--hardware", "cpu", "--kv-budget-tokens", "1024",
+                             "--systems", "sglang_default,granikv", "--prefix-len", "40", "--batch", "4",
+                             "--suffix-len", "3", "--output-len", "4", "--profile-output-len", "0",
+                             "--out", str(tmp_path / "tp1")])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_bench_rank, args=(r, 2, port, str(tmp_path / "tp2"), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=90) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert got == {0: "ok", 1: "ok"}
+    s2 = rawio.read_json(tmp_path / "tp2" / "summary.json")
+    assert s2["bench"]["tp"] == 2
+    for name in ("sglang_default", "granikv"):
+        a = [r["output_ids"] for r in rawio.read_jsonl(one / name / "requests.jsonl")]
+        b = [r["output_ids"] for r in rawio.read_jsonl(tmp_path / "tp2" / name / "requests.jsonl")]
+        assert a == b

@@ -19,6 +19,10 @@
 #                              steps.jsonl (+ failure.json for a system that failed), summary.json
 #   engine_bench.log           the full log
 #   fi_cache.tar.xz.part-*     the FlashInfer JIT cache (<= 5 parts; put them in .fi_cache/parts/)
+#
+# Knobs (environment): GRANIKV_TP=2 runs under torchrun with 2 ranks (the nvidia-h200-x2 kind),
+# GRANIKV_ENGINE_MODEL=qwen25_14b (default llama3_8b), GRANIKV_ENGINE_BENCH_ARGS="..." adds
+# arguments (e.g. "--systems sglang_default,granikv --cuda-graph-max-bs 0").
 set -uo pipefail
 T0=$(date +%s)
 GPU_LOG_TAG=engine.sh
@@ -28,7 +32,10 @@ RES=results/raw/engine_bench
 rm -rf "$RES"
 T=$(left); [ "$T" -gt 60 ] || T=60
 log "engine_bench (limit ${T}s)"
-timeout "$T" $PY -m runners.engine_bench --model llama3_8b --hardware h200 --prefix-len 8192 --batch 256 \
+TP=${GRANIKV_TP:-1}
+LAUNCH="$PY -m runners.engine_bench"
+[ "$TP" -gt 1 ] && LAUNCH="$PY -m torch.distributed.run --standalone --nproc_per_node=$TP -m runners.engine_bench"
+timeout "$T" $LAUNCH --model "${GRANIKV_ENGINE_MODEL:-llama3_8b}" --hardware h200 --prefix-len 8192 --batch 256 \
     --suffix-len 32 --output-len 128 --out "$RES" ${GRANIKV_ENGINE_BENCH_ARGS:-} 2>&1 | tee "$OUT/engine_bench.log"
 RC=${PIPESTATUS[0]}
 log "engine_bench rc=$RC"
