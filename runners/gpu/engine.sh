@@ -18,7 +18,9 @@
 #   engine_results.tar.gz      results/raw/engine_bench/<system>/{config,metrics}.json, requests.jsonl,
 #                              steps.jsonl (+ failure.json for a system that failed), summary.json
 #   engine_bench.log           the full log
-#   fi_cache.tar.xz.part-*     the FlashInfer JIT cache (<= 5 parts; put them in .fi_cache/parts/)
+#   engine_gpu_tests.log       pytest -m gpu tests/test_engine_gpu.py (small model: every system's decode
+#                              logits vs the no-cache reference, CUDA-graph replay vs eager)
+#   fi_cache.tar.xz.part-*     the FlashInfer JIT cache (<= 4 parts; put them in .fi_cache/parts/)
 #
 # Knobs (environment): GRANIKV_TP=2 runs under torchrun with 2 ranks (the nvidia-h200-x2 kind),
 # GRANIKV_ENGINE_MODEL=qwen25_14b (default llama3_8b), GRANIKV_ENGINE_BENCH_ARGS="..." adds
@@ -28,6 +30,9 @@ T0=$(date +%s)
 GPU_LOG_TAG=engine.sh
 source "$(dirname "$0")/env.sh"
 gpu_env_setup || exit 2
+log "pytest -m gpu tests/test_engine_gpu.py (limit 150s)"
+timeout 150 $PY -m pytest -m gpu tests/test_engine_gpu.py -q -p no:cacheprovider -x 2>&1 | tee "$OUT/engine_gpu_tests.log" | tail -15
+log "engine gpu tests rc=${PIPESTATUS[0]}"
 RES=results/raw/engine_bench
 rm -rf "$RES"
 T=$(left); [ "$T" -gt 60 ] || T=60
@@ -41,7 +46,7 @@ RC=${PIPESTATUS[0]}
 log "engine_bench rc=$RC"
 [ -f "$RES/summary.json" ] && cp "$RES/summary.json" "$OUT/engine_summary.json"
 [ -d "$RES" ] && tar -czf "$OUT/engine_results.tar.gz" "$RES"
-pack_fi_cache 5
+pack_fi_cache 4
 ls -la "$OUT"
 log "done"
 exit $RC
