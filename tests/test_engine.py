@@ -179,6 +179,11 @@ def test_qwen2_and_llama3_rope_models():
             check_tokens(eng.run(reqs), reqs, reference(eng, reqs, m.arch))
 
 
+def test_no_requests():
+    res = Engine(make_cfg()).run([])
+    assert res.records == [] and res.steps == [] and res.stats["num_steps"] == 0
+
+
 def test_warmup_is_excluded():
     reqs = workload(7, n=4, k=1)
     cfg = make_cfg("granikv")

@@ -146,7 +146,7 @@ class Engine:
 
     def _serve(self, requests: list[Request], on_step) -> RunResult:
         self.storage.reset()
-        self.runner.resize(max(len(r.prompt_ids) + r.output_len for r in requests))
+        self.runner.resize(max((len(r.prompt_ids) + r.output_len for r in requests), default=1))
         self.runner.eager_reasons = {}
         sched = Scheduler(self.storage, self.cfg.hardware, max_rows=self.runner.pad_row)
         sched.add([Seq(r, i) for i, r in enumerate(requests)])
