@@ -16,6 +16,7 @@ larger batches, CPU runs and backends that declare ``graph_safe = False`` run ea
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 
 import torch
@@ -159,20 +160,16 @@ class ModelRunner:
             rows += [self.pad_row] * npad
             lp, pid, hs = lp + [0] * npad, pid + [-1] * npad, hs + [-1] * npad
         lens = [p + 1 for p in pos]
-        indptr = [0]
-        for n in lens:
-            indptr.append(indptr[-1] + n)
-        lens_d = torch.tensor(lens, dtype=torch.int64, device=dev)
-        indptr_d = torch.tensor(indptr, dtype=torch.int64, device=dev)
-        rows_d = torch.tensor(rows, dtype=torch.int64, device=dev)
+        indptr = list(itertools.accumulate(lens, initial=0))
+        # one host->device copy: [lens (bs) | indptr (bs+1) | rows (bs) | ids (bs) | pos (bs)]
+        packed = torch.tensor(lens + indptr + rows + ids + pos, dtype=torch.int64).to(dev, non_blocking=True)
+        lens_d, indptr_d, rows_d, ids_d, pos_d = packed.split([bs, bs + 1, bs, bs, bs])
         nnz = indptr[-1]
         r = torch.repeat_interleave(rows_d, lens_d, output_size=nnz)
         col = torch.arange(nnz, device=dev) - torch.repeat_interleave(indptr_d[:-1], lens_d, output_size=nnz)
-        batch = DecodeBatch(
-            kv_indptr=indptr_d, kv_indices=self.table[r, col],
-            prefix_lens=lp, prefix_ids=pid, hot_starts=hs)
-        pos_d = torch.tensor(pos, dtype=torch.int64, device=dev)
-        return batch, torch.tensor(ids, dtype=torch.int64, device=dev), pos_d, rows_d
+        batch = DecodeBatch(kv_indptr=indptr_d, kv_indices=self.table[r, col],
+                            prefix_lens=lp, prefix_ids=pid, hot_starts=hs)
+        return batch, ids_d, pos_d, rows_d
 
     @torch.inference_mode()
     def decode(self, seqs: list[Seq]) -> tuple[list[int], dict]:
