@@ -117,6 +117,22 @@ def test_prefix_hits_are_not_recomputed():
         assert sum(s["num_tokens"] for s in res.steps[:first_sharer_step]) >= 120
 
 
+@pytest.mark.parametrize("name", ["sglang_default", "sglang_cascade", "granikv"])
+def test_prompt_that_is_all_prefix(name):
+    """suffix_len 0: later requests hit the whole prompt; the last token is recomputed for its logits
+    without overwriting the shared KV, and the tokens still match the reference."""
+    rng = random.Random(9)
+    pre = [rng.randrange(512) for _ in range(60)]
+    reqs = [Request(i, list(pre), 5, arrival_s=0.0 if i < 3 else 0.03, shared_len=60, prefix_class=0)
+            for i in range(5)]
+    reqs.append(Request(5, pre[:30], 4, shared_len=30, prefix_class=1))  # a prefix of the prefix: full hit
+    eng = Engine(make_cfg(name, chunk=32))
+    res = eng.run(reqs)
+    check_tokens(res, reqs, reference(eng, reqs, "allprefix"))
+    assert res.records[0].cached_len == 0 and all(r.cached_len in (59, 29) for r in res.records[1:])
+    check_no_leak(eng)
+
+
 @pytest.mark.parametrize("name,hot", [("sglang_default", 0.0), ("granikv", 0.2), ("granikv", 0.5)])
 def test_evictions_under_small_budget(name, hot):
     """Four prefix classes served in waves with room for about two prefixes: LRU eviction, same tokens."""

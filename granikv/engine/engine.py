@@ -221,7 +221,7 @@ class Engine:
     def _record(self, s: Seq) -> RequestRecord:
         return RequestRecord(rid=s.req.rid, arrival_s=s.req.arrival_s, prompt_len=s.prompt_len,
                              output_ids=list(s.output_ids), token_times_s=list(s.token_times),
-                             cached_len=s.cached_len, prefix_class=s.req.prefix_class, prefix_where=s.where)
+                             cached_len=s.reused, prefix_class=s.req.prefix_class, prefix_where=s.where)
 
     def _stats(self, steps: list[dict], duration: float, capture_s: float) -> dict:
         counts: Counter = Counter()

@@ -121,7 +121,11 @@ class ModelRunner:
             pos.append(torch.arange(c.start, c.end))
             qo.append(qo[-1] + c.end - c.start)
             kvp.append(kvp[-1] + c.end)
-            new_slots.append(c.seq.slots[c.start:c.end])
+            w = c.seq.slots[c.start:c.end]
+            if c.start < c.seq.cached_len:  # a recomputed cached token (full hit): keep the shared KV intact
+                w = w.clone()
+                w[:c.seq.cached_len - c.start] = self.storage.pad_slot
+            new_slots.append(w)
             kv_idx.append(c.seq.slots[:c.end])
         self.prefill_attn.plan(torch.tensor(qo, dtype=torch.int32, device=dev),
                                torch.tensor(kvp, dtype=torch.int32, device=dev), torch.cat(kv_idx))

@@ -38,7 +38,8 @@ class Seq:
     slots: torch.Tensor | None = None
     own: torch.Tensor | None = None
     placement: Placement | None = None
-    cached_len: int = 0
+    cached_len: int = 0              # prompt tokens whose KV was in the index at admission
+    reused: int = 0                  # of those, how many are not recomputed (cached_len, or one less on a full hit)
     computed: int = 0
     prefix_id: int = -1
     hot_start: int = -1
@@ -194,6 +195,8 @@ class Scheduler:
         if pl is not None:
             s.slots = torch.cat((pl.slots.to(own.device), own))
             s.cached_len = s.computed = pl.new_from
+            if s.computed == len(prompt):  # full hit: recompute the last token for its logits (as SGLang);
+                s.computed -= 1            # its K/V goes to the scratch slot, never over the shared prefix
             key = tuple(prompt[:req.shared_len])
             s.prefix_id = self._prefix_id(key)
             runs = index.match(key).hot_runs
@@ -205,6 +208,7 @@ class Scheduler:
                 self.writers.append(s)
         else:
             s.slots = own
+        s.reused = s.computed
         s.row = self.free_rows.popleft()
         st.observe()
         return True
