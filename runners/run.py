@@ -165,9 +165,16 @@ def run_cell(cfg: DictConfig | RunConfig, overrides: list[str], multirun: bool =
              engine_factory: Callable[[RunConfig], object] = default_engine) -> Path:
     """Run (or skip) one cell; return its folder. Config errors raise ConfigError before any
     work in a single run; in a sweep they are written as failure.json like any failure."""
-    rc = resolve(cfg)
-    root = check_writable(rc.results_dir)
-    cell = root / safe_name(rc.sweep_name) / cell_id(overrides)
+    root = check_writable(str(cfg.results_dir))
+    cell = root / safe_name(str(cfg.sweep_name)) / cell_id(overrides)
+    try:
+        rc = resolve(cfg)
+    except ConfigError as e:
+        if not multirun:
+            raise
+        _fail(cell, e, {"cell_kind": "serving", "cell": {"cell_id": cell.name, "overrides": list(overrides)}},
+              kind="config_error")
+        return cell
     if rawio.cell_state(cell) == "done" and not rc.force:
         print(f"[runners.run] skip (metrics.json exists; force=true reruns): {cell}")
         return cell

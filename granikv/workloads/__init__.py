@@ -11,11 +11,11 @@ import hashlib
 
 from granikv.config import RunConfig
 from granikv.request import Request
-from granikv.workloads.multiprefix import multiprefix
-from granikv.workloads.sharegpt import sharegpt
-from granikv.workloads.synthetic import synthetic
+from granikv.workloads.multiprefix import multiprefix_requests
+from granikv.workloads.sharegpt import sharegpt_requests
+from granikv.workloads.synthetic import synthetic_requests
 
-BUILDERS = {"synthetic": synthetic, "sharegpt": sharegpt, "multiprefix": multiprefix}
+BUILDERS = {"synthetic": synthetic_requests, "sharegpt": sharegpt_requests, "multiprefix": multiprefix_requests}
 
 
 def build(cfg: RunConfig) -> list[Request]:

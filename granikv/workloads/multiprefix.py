@@ -18,7 +18,7 @@ def class_lengths(w: WorkloadConfig) -> list[int]:
     return [w.prefix_len] * w.num_prefixes
 
 
-def multiprefix(w: WorkloadConfig, vocab: int, seed: int) -> list[Request]:
+def multiprefix_requests(w: WorkloadConfig, vocab: int, seed: int) -> list[Request]:
     """B requests over k prefix classes (round-robin), ``suffix_len`` / ``output_len`` each."""
     n = w.batch
     return shared_prefix_requests(class_lengths(w), [w.suffix_len] * n, [w.output_len] * n,

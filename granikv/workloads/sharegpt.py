@@ -92,7 +92,7 @@ def load_lengths(path: str | Path | None = None) -> list[tuple[int, int]]:
     return out
 
 
-def sharegpt(w: WorkloadConfig, vocab: int, seed: int) -> list[Request]:
+def sharegpt_requests(w: WorkloadConfig, vocab: int, seed: int) -> list[Request]:
     """``num_requests`` (default 4 x batch) ShareGPT length pairs, sampled without replacement
     while the file allows (seeded), each behind the shared prefix of ``prefix_len`` tokens."""
     pairs = load_lengths(w.sharegpt_lengths)

@@ -35,7 +35,7 @@ def shared_prefix_requests(class_lens: list[int], suffix_lens: list[int], output
     return out
 
 
-def synthetic(w: WorkloadConfig, vocab: int, seed: int) -> list[Request]:
+def synthetic_requests(w: WorkloadConfig, vocab: int, seed: int) -> list[Request]:
     """B requests sharing one prefix of ``prefix_len`` tokens, ``suffix_len`` unique tokens
     each, exactly ``output_len`` output tokens; arrivals per ``w.arrival``."""
     n = w.batch
