@@ -19,6 +19,8 @@ class StepProfiler:
         self.captured, self.note = 0, ""
         self._prof: Optional[object] = None
         self._done = num_steps <= 0
+        if self._done:
+            self.note = "disabled (profile_steps=0)"
 
     def _begin(self) -> None:
         from torch.profiler import ProfilerActivity, profile
