@@ -7,7 +7,7 @@
 
 A cell goes to ``<results_dir>/<sweep_name>/<cell_id>/`` where ``cell_id`` is the cell's
 Hydra overrides, sorted and sanitised (``system=granikv,workload.prefix_len=256``; keys that
-do not change the measurement - results_dir, sweep_name, sweep, launcher, force - are left
+do not change the measurement - results_dir, sweep_name, sweep, launcher, force, nvml, nsys - are left
 out). It holds config.json (resolved config + provenance), workload.jsonl (the trace; token
 ids regenerate from seed + workload), requests.jsonl (with output_ids), steps.jsonl (the
 dispatch trace), metrics.json (written last: its presence marks the cell done) and
@@ -40,7 +40,7 @@ from granikv.request import Request
 
 register()
 
-EXCLUDED_KEYS = {"results_dir", "sweep_name", "sweep", "launcher", "force"}
+EXCLUDED_KEYS = {"results_dir", "sweep_name", "sweep", "launcher", "force", "nvml", "nsys"}
 MAX_ID = 200
 
 
@@ -216,7 +216,7 @@ def _fail(cell: Path, e: BaseException, config: dict, kind: str = "exception") -
 def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], engine_factory) -> None:
     from tqdm import tqdm
 
-    from granikv.telemetry import NvmlSampler, StepProfiler, nsys_path
+    from granikv.telemetry import ENV_GUARD, NvmlSampler, StepProfiler, nsys_path
 
     for stale in ("metrics.json", "failure.json"):
         (cell / stale).unlink(missing_ok=True)
@@ -232,13 +232,19 @@ def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], e
                 bar.update(int(step.get("num_tokens", step.get("batch_size", 0))))
             prof.on_step(step)
 
-        result = engine.run(requests, on_step=on_step)
+        if os.environ.get(ENV_GUARD) and rc.hardware.device == "cuda":
+            import torch  # under nsys: record_function ranges (prefill_step / decode_step) as NVTX
+
+            with torch.autograd.profiler.emit_nvtx():
+                result = engine.run(requests, on_step=on_step)
+        else:
+            result = engine.run(requests, on_step=on_step)
         prof.finish()
     rawio.write_jsonl(cell / "requests.jsonl", _request_rows(requests, result.records))
     rawio.write_jsonl(cell / "steps.jsonl", result.steps)
     m = metrics_mod.summarize(result.records, result.steps)
     telemetry = {**nvml.summary(), **prof.summary(),
-                 "nsys_note": ("captured (profile.nsys-rep)" if os.environ.get("GRANIKV_IN_NSYS")
+                 "nsys_note": ("captured (profile.nsys-rep)" if os.environ.get(ENV_GUARD)
                                else "nsys not on PATH; not captured" if rc.nsys and not nsys_path() else None)}
     rawio.write_json(cell / "metrics.json", {**_engine_stats(result.stats), **m, "telemetry": telemetry})
     tput = m["output_throughput_tok_s"]
