@@ -92,8 +92,8 @@ def kv_budget(rc: RunConfig) -> Optional[int]:
                               f"budget for model '{m.name}' (has {sorted(hw.kv_budget_per_model)}); add one")
         return int(hw.kv_budget_per_model[m.name])
     if hw.gpu_memory_gib > 0:  # SGLang's rule, weights ~ 2 B/param for bf16, split over TP
-        params = m.num_layers * (4 * m.hidden_size * m.num_heads * m.head_dim // 2 + 3 * m.hidden_size
-                                 * m.intermediate_size) + 2 * m.vocab_size * m.hidden_size
+        attn = m.hidden_size * m.head_dim * 2 * (m.num_heads + m.num_kv_heads)   # q, k, v, o
+        params = m.num_layers * (attn + 3 * m.hidden_size * m.intermediate_size) + 2 * m.vocab_size * m.hidden_size
         free = hw.gpu_memory_gib * 2**30 * hw.mem_fraction - 2 * params / rc.tp - 0.5 * 2**30
         per_tok = 2 * m.num_layers * (m.num_kv_heads // rc.tp) * m.head_dim * 2
         return max(int(free // per_tok), 0)
