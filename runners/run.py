@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
@@ -100,23 +101,29 @@ def kv_budget(rc: RunConfig) -> Optional[int]:
     return None
 
 
-def check_workload(rc: RunConfig, requests: list[Request]) -> None:
-    """Requests that could never be served: longer than the model's context or the KV budget."""
-    if not requests:
+def check_workload(rc: RunConfig, requests: Optional[list[Request]] = None) -> None:
+    """A workload that could never be served: a request longer than the model's context or
+    the KV budget. Without ``requests`` the longest request is computed from the config."""
+    if requests is not None and not requests:
         raise ConfigError("config error at `workload`: the workload has no requests "
                           "(workload.batch / workload.num_requests must be >= 1)")
-    longest = max(requests, key=lambda r: len(r.prompt_ids) + r.output_len)
-    need = len(longest.prompt_ids) + longest.output_len
+    if requests:
+        r = max(requests, key=lambda r: len(r.prompt_ids) + r.output_len)
+        what, prompt, out = f"request {r.rid}", len(r.prompt_ids), r.output_len
+    else:
+        (prompt, out), what = workloads.longest_request(rc), "the longest request"
+    need = prompt + out
     if need > rc.model.max_position_embeddings:
-        raise ConfigError(f"config error at `workload.prefix_len`: request {longest.rid} needs {need} positions "
-                          f"(prompt {len(longest.prompt_ids)} + output {longest.output_len}) but model "
-                          f"'{rc.model.name}' has max_position_embeddings={rc.model.max_position_embeddings}; "
+        raise ConfigError(f"config error at `workload.prefix_len`: {what} needs {need} positions "
+                          f"(prompt {prompt} + output {out}) but model '{rc.model.name}' has "
+                          f"max_position_embeddings={rc.model.max_position_embeddings}; "
                           "shorten prefix_len / suffix_len / output_len")
     budget = kv_budget(rc)
     if budget is not None and need > budget:
-        raise ConfigError(f"config error at `hardware.kv_budget_tokens`: request {longest.rid} needs {need} KV "
-                          f"tokens (prompt {len(longest.prompt_ids)} + output {longest.output_len}) but hardware "
-                          f"'{rc.hardware.name}' gives model '{rc.model.name}' (tp={rc.tp}) a budget of {budget}; "
+        raise ConfigError(f"config error at `hardware.kv_budget_tokens`: {what} needs {need} KV tokens "
+                          f"(prompt {prompt} + output {out}) but hardware '{rc.hardware.name}' gives model "
+                          f"'{rc.model.name}' (tp={rc.tp}) a budget of {budget}"
+                          f"{'' if rc.hardware.kv_budget_tokens or rc.hardware.kv_budget_per_model else ' (estimated)'}; "
                           "shorten the workload (workload.prefix_len / suffix_len / output_len) or raise the budget")
 
 
@@ -132,6 +139,75 @@ def check_writable(results_dir: str) -> Path:
         raise ConfigError(f"config error at `results_dir`: '{results_dir}' is not writable ({e.strerror}); "
                           "pass results_dir=<a folder you can write>") from e
     return root
+
+
+# ---------------------------------------------------------------- a whole sweep, before any cell
+def sweep_jobs(config: DictConfig) -> list[list[str]]:
+    """The override lists Hydra's basic sweeper will launch (sweeper params x CLI overrides)."""
+    import itertools
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = config.hydra.sweeper.get("params") or {}
+    args = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
+    axes: dict[str, list[str]] = {}
+    for ov in OverridesParser.create().parse_overrides(args):
+        key = ov.get_key_element()
+        vals = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.get_value_element_as_str()]
+        axes[key] = [f"{key}={v}" for v in vals]
+    return [list(p) for p in itertools.product(*axes.values())]
+
+
+_GROUPS = {p.name for p in (Path(__file__).resolve().parents[1] / "conf").iterdir() if p.is_dir()}
+_BASES: dict[tuple, DictConfig] = {}
+
+
+def _compose_cached(overrides: list[str], compose) -> DictConfig:
+    """Hydra composition of one cell, fast for big sweeps: compose once per distinct set of
+    group choices (model=..., system=...), then set the plain ``key=value`` overrides on a
+    copy (what Hydra does after choosing the groups). Anything else is composed in full."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    groups = [o for o in parsed if "." not in o.key_or_group and o.key_or_group in _GROUPS]
+    values = [o for o in parsed if o not in groups]
+    if any(o.is_add() or o.is_delete() or o.is_force_add() or o.key_or_group.startswith("hydra")
+           for o in parsed):
+        return compose(config_name="config", overrides=overrides)
+    key = tuple(o.input_line for o in groups)
+    if key not in _BASES:
+        _BASES[key] = compose(config_name="config", overrides=list(key))
+    cfg = _BASES[key].copy()
+    for o in values:
+        OmegaConf.update(cfg, o.key_or_group, o.value(), merge=False)
+    return cfg
+
+
+class SweepPrecheck(Callback):
+    """Hydra callback: before a multirun starts, check every cell (schema values, KV fit,
+    context length) and the results folder; any bad cell stops the sweep with its key named."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        from hydra import compose
+
+        bad, jobs = [], sweep_jobs(config)
+        try:
+            check_writable(str(config.results_dir))
+        except ConfigError as e:
+            bad.append(f"  {e}")
+        for ov in jobs if not bad else []:
+            try:
+                check_workload(resolve(_compose_cached(ov, compose)))
+            except ConfigError as e:
+                bad.append(f"  {cell_id(ov)}: {e}")
+        if bad:
+            # Hydra turns a callback's Exception into a warning; SystemExit does stop the sweep
+            try:
+                print(f"[runners.run] {len(bad)} of {len(jobs)} cells are invalid; nothing was run:\n"
+                      + "\n".join(bad), file=sys.stderr)
+            finally:  # even if stderr is a closed pipe
+                raise SystemExit(2)
 
 
 # ---------------------------------------------------------------- one cell
@@ -181,6 +257,7 @@ def run_cell(cfg: DictConfig | RunConfig, overrides: list[str], multirun: bool =
     config = {**dataclasses.asdict(rc), "cell_kind": "serving",
               "cell": {"cell_id": cell.name, "overrides": list(overrides)}}
     try:
+        check_workload(rc)                   # from the config alone: fails fast on long sweeps
         requests = workloads.build(rc)
         check_workload(rc, requests)
     except ConfigError as e:

@@ -156,12 +156,35 @@ def test_failing_cell_leaves_failure_json_and_sweep_goes_on(tmp_path):
     assert rawio.cell_state(bad) == "done" and not (bad / "failure.json").exists()
 
 
-def test_config_error_in_a_sweep_is_a_failed_cell(tmp_path):
+def test_bad_cell_stops_a_sweep_before_any_work(tmp_path):
     p = cli("-m", *SMALL, "hardware.kv_budget_tokens=10,4096", "sweep_name=k", f"results_dir={tmp_path}")
-    assert p.returncode == 0, p.stderr[-3000:]
-    bad = tmp_path / "k" / cell_id([*SMALL, "hardware.kv_budget_tokens=10"])
-    assert "`hardware.kv_budget_tokens`" in rawio.read_json(bad / "failure.json")["error"]
-    check_serving_cell(tmp_path / "k" / cell_id([*SMALL, "hardware.kv_budget_tokens=4096"]))
+    assert p.returncode == 2
+    assert "1 of 2 cells are invalid; nothing was run" in p.stderr and "`hardware.kv_budget_tokens`" in p.stderr
+    assert not any(f.is_file() for f in tmp_path.rglob("*"))
+    (tmp_path / "f").write_text("")  # results_dir under a file: cannot be created
+    p = cli("-m", *SMALL, "workload.suffix_len=1,2", f"results_dir={tmp_path / 'f'}/x")
+    assert p.returncode == 2 and "`results_dir`" in p.stderr
+
+
+def test_config_error_inside_a_sweep_job_is_a_failed_cell(tmp_path):
+    """Fallback when a job's config is only checked in the job (e.g. a SLURM array)."""
+    ov = ["hardware.kv_budget_tokens=10"]
+    cell = run_cell(compose_cfg([*SMALL, f"results_dir={tmp_path}", *ov]), ov, multirun=True)
+    f = rawio.read_json(cell / "failure.json")
+    assert f["kind"] == "config_error" and "`hardware.kv_budget_tokens`" in f["error"]
+
+
+def test_fast_sweep_composition_matches_hydra(tmp_path):
+    from hydra import compose
+
+    from runners.run import _compose_cached
+
+    cells = [["sweep=multiprefix_hetero", "system=granikv", "workload.prefix_lens=[1024,1536,2048,3072,4096,6144,8192,12288]"],
+             ["sweep=synthetic_grid", "system=hydragen", "workload.prefix_len=2048", "workload.batch=32", "rep=2"],
+             ["sweep=headline_qwen25_32b", "tp=2", "hardware.mem_fraction=0.87", "system=sglang_cascade"]]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        for ov in cells:
+            assert to_run_config(_compose_cached(ov, compose)) == to_run_config(compose("config", overrides=ov))
 
 
 def test_force_reruns(tmp_path):
