@@ -221,3 +221,23 @@ def test_nsys_command_reruns_the_same_cell(tmp_path):
     assert cmd[:2] == ["/usr/bin/nsys", "profile"] and "--trace=cuda,nvtx,osrt" in cmd
     assert cmd[-4:] == ["-m", "runners.run", "sweep=dispatch_overhead", "system=granikv"]
     assert f"--output={tmp_path / 'profile'}" in cmd
+
+
+def test_every_sweep_preset_passes_the_precheck():
+    """Each paper preset's cells fit the model context and the (estimated or preset) KV budget."""
+    from hydra import compose
+
+    from runners.run import _compose_cached, check_workload, resolve, sweep_jobs
+
+    presets = sorted(p.stem for p in (ROOT / "conf" / "sweep").glob("*.yaml"))
+    extra = {"headline_qwen25_32b": [["tp=2", "hardware.mem_fraction=0.87"]],
+             "multiprefix_uniform": [["hardware=a100_40gb"]], "multiprefix_hetero": [["hardware=a100_40gb"]]}
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        for preset in presets:
+            for more in [[]] + extra.get(preset, []):
+                base = compose("config", overrides=[f"sweep={preset}", *more], return_hydra_config=True)
+                base.hydra.overrides.task = [f"sweep={preset}", *more]
+                jobs = sweep_jobs(base)
+                assert jobs
+                for ov in jobs:
+                    check_workload(resolve(_compose_cached(ov, compose)))

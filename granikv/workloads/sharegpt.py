@@ -10,6 +10,7 @@ prompt + output <= 2048. Lengths come from an offline tokenizer and are cached i
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -78,6 +79,13 @@ def compute_lengths(path: str | Path, count_tokens: Callable[[str], int]) -> tup
 def load_lengths(path: str | Path | None = None) -> list[tuple[int, int]]:
     """(prompt_len, output_len) pairs from the cached csv ('#' lines are the header notes)."""
     path = Path(path) if path else LENGTHS_CSV
+    st = path.stat() if path.exists() else None
+    return list(_load_lengths(str(path), st.st_mtime_ns if st else 0))
+
+
+@functools.lru_cache(maxsize=8)
+def _load_lengths(path_s: str, mtime_ns: int) -> tuple[tuple[int, int], ...]:
+    path = Path(path_s)
     if not path.exists():
         raise FileNotFoundError(f"config error at `workload.sharegpt_lengths`: {path} does not exist "
                                 "(regenerate it: python -m granikv.workloads.make_sharegpt_lengths)")
@@ -89,7 +97,7 @@ def load_lengths(path: str | Path | None = None) -> list[tuple[int, int]]:
     for ln in lines[1:]:
         v = ln.strip().split(",")
         out.append((int(v[ip]), int(v[io])))
-    return out
+    return tuple(out)
 
 
 def sharegpt_requests(w: WorkloadConfig, vocab: int, seed: int) -> list[Request]:
