@@ -198,7 +198,9 @@ class SweepPrecheck(Callback):
             bad.append(f"  {e}")
         for ov in jobs if not bad else []:
             try:
-                check_workload(resolve(_compose_cached(ov, compose)))
+                rc = resolve(_compose_cached(ov, compose))
+                check_workload(rc)
+                check_world(rc)
             except ConfigError as e:
                 bad.append(f"  {cell_id(ov)}: {e}")
         if bad:
@@ -208,6 +210,40 @@ class SweepPrecheck(Callback):
                       + "\n".join(bad), file=sys.stderr)
             finally:  # even if stderr is a closed pipe
                 raise SystemExit(2)
+
+
+# ---------------------------------------------------------------- tensor parallelism (torchrun)
+def check_world(rc: RunConfig) -> int:
+    """tp must equal the number of processes torchrun started (1 without torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != rc.tp:
+        raise ConfigError(f"config error at `tp`: tp={rc.tp} but {world} process(es) run this cell; launch "
+                          f"tp>1 as `torchrun --nproc_per_node={rc.tp} -m runners.run ...` (tp=1 without torchrun)")
+    return world
+
+
+def init_tp(rc: RunConfig) -> int:
+    """Under torchrun (WORLD_SIZE > 1): join the process group (nccl on GPU, gloo on CPU), one
+    GPU per rank; return this process's rank. Every rank runs the engine; rank 0 writes."""
+    world = check_world(rc)
+    if world == 1:
+        return 0
+    import torch
+    import torch.distributed as dist
+
+    if rc.hardware.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if rc.hardware.device == "cuda" else "gloo")
+    return dist.get_rank()
+
+
+def _barrier() -> None:
+    """All TP ranks finish a cell (rank 0 has written it) before any looks at the next."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 # ---------------------------------------------------------------- one cell
@@ -260,6 +296,7 @@ def run_cell(cfg: DictConfig | RunConfig, overrides: list[str], multirun: bool =
         check_workload(rc)                   # from the config alone: fails fast on long sweeps
         requests = workloads.build(rc)
         check_workload(rc, requests)
+        rank = init_tp(rc)
     except ConfigError as e:
         if not multirun:
             raise
@@ -267,18 +304,20 @@ def run_cell(cfg: DictConfig | RunConfig, overrides: list[str], multirun: bool =
         return cell
     from granikv.telemetry import ENV_GUARD, nsys_command, nsys_path
 
-    if rc.nsys and nsys_path() and not os.environ.get(ENV_GUARD):
+    if rc.nsys and rc.tp == 1 and nsys_path() and not os.environ.get(ENV_GUARD):
         cell.mkdir(parents=True, exist_ok=True)
         cmd = nsys_command(cell, overrides, nsys_path())
         print(f"[runners.run] nsys: {' '.join(cmd)}")
         subprocess.run(cmd, env={**os.environ, ENV_GUARD: "1"}, check=False)
         return cell
     try:
-        _measure(rc, cell, config, requests, engine_factory)
+        _measure(rc, cell, config, requests, engine_factory, rank)
     except Exception as e:  # noqa: BLE001 - recorded in failure.json; the sweep goes on
-        _fail(cell, e, config)
+        if rank == 0:
+            _fail(cell, e, config)
         if not multirun:
             raise
+    _barrier()
     return cell
 
 
@@ -290,20 +329,24 @@ def _fail(cell: Path, e: BaseException, config: dict, kind: str = "exception") -
     print(f"[runners.run] FAILED {cell}: {type(e).__name__}: {e}", file=sys.stderr)
 
 
-def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], engine_factory) -> None:
+def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], engine_factory,
+             rank: int = 0) -> None:
+    """Serve the cell; rank 0 writes every file (metrics.json last), other TP ranks only serve."""
     from tqdm import tqdm
 
     from granikv.telemetry import ENV_GUARD, NvmlSampler, StepProfiler, nsys_path
 
-    for stale in ("metrics.json", "failure.json"):
-        (cell / stale).unlink(missing_ok=True)
-    rawio.write_json(cell / "config.json", {**config, "provenance": rawio.provenance()})
-    rawio.write_jsonl(cell / "workload.jsonl", workloads.trace_rows(requests))
+    lead = rank == 0
+    if lead:
+        for stale in ("metrics.json", "failure.json"):
+            (cell / stale).unlink(missing_ok=True)
+        rawio.write_json(cell / "config.json", {**config, "provenance": rawio.provenance()})
+        rawio.write_jsonl(cell / "workload.jsonl", workloads.trace_rows(requests))
     engine = engine_factory(rc)
-    prof = StepProfiler(cell / "trace.json", rc.profile_steps, cuda=rc.hardware.device == "cuda")
+    prof = StepProfiler(cell / "trace.json", rc.profile_steps if lead else 0, cuda=rc.hardware.device == "cuda")
     total = sum(r.output_len for r in requests)
-    with tqdm(total=total, unit="tok", desc=cell.name[:48], mininterval=0.5, leave=False) as bar, \
-            NvmlSampler(cell / "nvml.csv", enabled=rc.nvml) as nvml:
+    with tqdm(total=total, unit="tok", desc=cell.name[:48], mininterval=0.5, leave=False, disable=not lead) as bar, \
+            NvmlSampler(cell / "nvml.csv", enabled=rc.nvml and lead) as nvml:
         def on_step(step: dict) -> None:
             if step.get("kind") == "decode":
                 bar.update(int(step.get("num_tokens", step.get("batch_size", 0))))
@@ -317,6 +360,8 @@ def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], e
         else:
             result = engine.run(requests, on_step=on_step)
         prof.finish()
+    if not lead:
+        return
     rawio.write_jsonl(cell / "requests.jsonl", _request_rows(requests, result.records))
     rawio.write_jsonl(cell / "steps.jsonl", result.steps)
     m = metrics_mod.summarize(result.records, result.steps)

@@ -241,3 +241,24 @@ def test_every_sweep_preset_passes_the_precheck():
                 assert jobs
                 for ov in jobs:
                     check_workload(resolve(_compose_cached(ov, compose)))
+
+
+def test_tp_needs_torchrun(tmp_path):
+    cfg = compose_cfg([*SMALL, f"results_dir={tmp_path}", "tp=2"])
+    with pytest.raises(ConfigError, match="`tp`.*torchrun --nproc_per_node=2"):
+        run_cell(cfg, ["tp=2"], engine_factory=lambda rc: None)
+
+
+def test_tp2_sweep_under_torchrun_writes_once(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    p = subprocess.run([str(torchrun), "--nproc_per_node=2", "-m", "runners.run", "-m", *SMALL, "tp=2",
+                        "system=sglang_default,granikv", "sweep_name=tp", f"results_dir={tmp_path}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("[runners.run] wrote") == 2          # rank 0 only
+    cells = sorted((tmp_path / "tp").iterdir())
+    assert len(cells) == 2
+    for c in cells:
+        check_serving_cell(c)
+        assert rawio.read_json(c / "config.json")["tp"] == 2
