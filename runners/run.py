@@ -4,6 +4,7 @@
         workload.prefix_len=256 workload.batch=8 workload.output_len=16 \
         sweep_name=smoke results_dir=/tmp/r
     python -m runners.run -m sweep=synthetic_grid          # every cell of a paper experiment
+    torchrun --nproc_per_node=2 -m runners.run -m sweep=headline_qwen25_14b   # tp=2: one process per rank
 
 A cell goes to ``<results_dir>/<sweep_name>/<cell_id>/`` where ``cell_id`` is the cell's
 Hydra overrides, sorted and sanitised (``system=granikv,workload.prefix_len=256``; keys that
@@ -13,7 +14,9 @@ ids regenerate from seed + workload), requests.jsonl (with output_ids), steps.js
 dispatch trace), metrics.json (written last: its presence marks the cell done) and
 telemetry files when available (nvml.csv, trace.json, profile.nsys-rep). A cell with
 metrics.json is skipped unless ``force=true``. A failing cell writes failure.json (error,
-traceback, config) and a sweep goes on. Bad input fails before any work with the key named.
+traceback, config) and a sweep goes on. Bad input fails before any work with the key named:
+a sweep checks all its cells first (SweepPrecheck). Under torchrun every rank serves and rank 0
+writes.
 """
 from __future__ import annotations
 
@@ -192,6 +195,7 @@ class SweepPrecheck(Callback):
         from hydra import compose
 
         bad, jobs = [], sweep_jobs(config)
+        local = str(config.hydra.launcher.get("_target_", "")).endswith("BasicLauncher")
         try:
             check_writable(str(config.results_dir))
         except ConfigError as e:
@@ -200,7 +204,8 @@ class SweepPrecheck(Callback):
             try:
                 rc = resolve(_compose_cached(ov, compose))
                 check_workload(rc)
-                check_world(rc)
+                if local:  # a cluster launcher starts the tp processes itself
+                    check_world(rc)
             except ConfigError as e:
                 bad.append(f"  {cell_id(ov)}: {e}")
         if bad:
@@ -214,7 +219,12 @@ class SweepPrecheck(Callback):
 
 # ---------------------------------------------------------------- tensor parallelism (torchrun)
 def check_world(rc: RunConfig) -> int:
-    """tp must equal the number of processes torchrun started (1 without torchrun)."""
+    """tp must equal the number of processes torchrun (or a SLURM job: tasks_per_node=tp)
+    started; 1 without either."""
+    if "WORLD_SIZE" not in os.environ and os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        from submitit.helpers import TorchDistributedEnvironment  # launcher=slurm: one task per rank
+
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != rc.tp:
         raise ConfigError(f"config error at `tp`: tp={rc.tp} but {world} process(es) run this cell; launch "
