@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test
+.PHONY: help setup test smoke
 
 help: ## List the targets and what each does
 	@grep -E '^[a-z][a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -22,3 +22,10 @@ $(STAMP): pyproject.toml
 
 test: setup ## Run the CPU test suite (installs what it needs on a bare machine)
 	$(BIN)/python -m pytest -q
+
+smoke: setup ## CPU multirun (tiny model, 2 systems x 2 Lp) into a temp folder, then the analysis on it
+	@d=$$(mktemp -d -t granikv-smoke.XXXXXX) && \
+	$(BIN)/python -m runners.run -m sweep=smoke results_dir=$$d/raw && \
+	if [ -f analysis/reproduce.py ]; then $(BIN)/python -m analysis.reproduce --results $$d/raw --out $$d; \
+	else echo "(analysis not present yet: raw cells only)"; fi && \
+	echo "smoke results: $$d"

@@ -116,6 +116,7 @@ class HardwareConfig:
     cuda_graph_max_bs: int = 256      # SGLang default on this GPU class
     chunked_prefill_size: int = 8192  # SGLang default
     max_running_requests: int = 1024
+    gpu_memory_gib: float = 0.0       # per-GPU memory (0 = unknown); used to estimate the KV budget up front
     peak_tflops: float = 0.0          # measured bf16 dense peak (kernel_bench roofline)
     peak_tbps: float = 0.0            # measured HBM bandwidth
     decision_table: Optional[list[dict[str, Any]]] = None  # fitted by runners.calibrate
@@ -146,9 +147,39 @@ class RunConfig:
     force: bool = False               # rerun a cell whose metrics.json exists
     profile_steps: int = 0            # >0: torch.profiler trace of that many decode steps
     nvml: bool = True                 # sample NVML at ~10 Hz when a GPU is present
+    nsys: bool = False                # re-run the cell under `nsys profile` when nsys is on PATH
 
     def __post_init__(self):
         _need(self.tp >= 1, "tp", "must be >= 1")
         _need(self.model.num_heads % self.tp == 0 and self.model.num_kv_heads % self.tp == 0, "tp",
               f"tp={self.tp} must divide num_heads={self.model.num_heads} and "
               f"num_kv_heads={self.model.num_kv_heads} of model '{self.model.name}'")
+
+
+def register() -> None:
+    """Register every schema in Hydra's ConfigStore (idempotent).
+
+    ``conf/config.yaml`` starts from ``run_schema`` and every group option from
+    ``<group>_schema``, so a YAML key that the dataclass lacks (or a value of the wrong type)
+    is rejected when Hydra composes the config.
+    """
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    # ${len:${workload.prefix_lens}}: num_prefixes follows a swept list of prefix lengths
+    OmegaConf.register_new_resolver("len", lambda xs: len(xs), replace=True)
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="system", name="system_schema", node=SystemConfig)
+    cs.store(group="workload", name="workload_schema", node=WorkloadConfig)
+    cs.store(group="hardware", name="hardware_schema", node=HardwareConfig)
+
+
+def to_run_config(cfg: Any) -> RunConfig:
+    """A composed Hydra/OmegaConf config -> RunConfig (runs every ``__post_init__`` check)."""
+    from omegaconf import OmegaConf
+
+    keep = {k: cfg[k] for k in cfg if k not in ("sweep", "launcher", "hydra")}
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), keep)
+    return OmegaConf.to_object(merged)

@@ -1,0 +1,308 @@
+"""Prefix backends: paged / cascade / dense / hydragen / granikv, each planned per step, run per layer.
+
+All five share one decomposition of a decode step (exact, by the LSE merge):
+
+    attention(q_i, prefix_i + rest_i) = merge(attention(q_i, prefix_i), attention(q_i, rest_i))
+
+Requests are grouped into prefix *classes* (equal ``prefix_id``). For each class the backend picks
+how its prefix is attended (``ClassPlan.choice``):
+
+- ``paged``    the prefix is not split off: the request's full slot list goes to the paged decode;
+- ``cascade``  the class's queries attend its prefix slots through a paged batch prefill
+               (FlashInfer cascade level 0, page size 1), non-causal;
+- ``dense``    the class's queries are the rows of one non-causal attention over the contiguous
+               HOT slab view ``k_cache[hot_start : hot_start+Lp]`` (GQA folded by FlashInfer:
+               Meff = B_class * Hq/Hkv rows per kv head);
+- ``hydragen`` the same dense math, after gathering the prefix slots into a contiguous scratch
+               (every step and every layer: HydraGen on paged storage).
+
+Every request's remaining slots (all of them for ``paged``) go to ONE batch decode over page-size-1
+KV (tensor cores per SGLang's rule), and the prefix states are merged in. The batch-global
+``cascade`` backend (SGLang-Cascade) runs FlashInfer's MultiLevelCascadeAttentionWrapper on GPU.
+
+Device paths: ``device.type == 'cpu'`` -> torch reference math (granikv.attention.reference);
+``cuda`` -> FlashInfer (granikv.attention.flashinfer_ops). CUDA graphs: with ``cuda_graph=True``
+plan() writes into persistent buffers owned by a wrapper set per ``graph_key()``; run() is then
+capturable and replayable for every later step with the same key (see graph_key()).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from granikv.attention import reference
+from granikv.attention.batch import DecodeBatch
+
+CHOICES = ("paged", "cascade", "dense", "hydragen")
+
+
+@dataclass
+class ClassPlan:
+    """One prefix class of a step: its rows (request indices), prefix and chosen prefix path."""
+
+    prefix_id: int
+    rows: list[int]
+    prefix_len: int
+    hot_start: int                        # first HOT row of the prefix, -1 if not one HOT run
+    choice: str = "paged"
+    meff: int = 0                         # B_class * Hq/Hkv (query rows per kv head)
+    rows_t: Optional[torch.Tensor] = None   # int64 [B_class] on the device
+    slots: Optional[torch.Tensor] = None    # int64 [Lp] prefix slot ids on the device (view of kv_indices)
+
+
+@dataclass
+class StepPlan:
+    """Everything run() needs, built once per step by plan()."""
+
+    batch_size: int
+    classes: list[ClassPlan]
+    rest_indptr: torch.Tensor             # int32 [B+1] (device)
+    rest_indices: torch.Tensor            # int32 [nnz_rest] (device)
+    rest_indptr_host: torch.Tensor        # int32 [B+1] (cpu copy, for FlashInfer's plan)
+    extra: dict = field(default_factory=dict)
+
+
+def group_classes(batch: DecodeBatch) -> list[ClassPlan]:
+    """Group requests by ``prefix_id`` (>= 0 and prefix_len > 0); check members agree on the prefix."""
+    by_id: dict[int, ClassPlan] = {}
+    for i, (pid, lp, hs) in enumerate(zip(batch.prefix_ids, batch.prefix_lens, batch.hot_starts)):
+        if pid < 0 or lp <= 0:
+            continue
+        c = by_id.get(pid)
+        if c is None:
+            by_id[pid] = ClassPlan(pid, [i], int(lp), int(hs))
+        else:
+            if c.prefix_len != lp or c.hot_start != hs:
+                raise ValueError(f"DecodeBatch: requests {c.rows[0]} and {i} share prefix_id={pid} but have "
+                                 f"prefix_len {c.prefix_len} vs {lp} / hot_start {c.hot_start} vs {hs}; "
+                                 "equal prefix_id must mean identical prefix slots")
+            c.rows.append(i)
+    return list(by_id.values())
+
+
+class PrefixAttentionBackend:
+    """Base of all prefix backends (PrefixBackend protocol of granikv.attention.batch).
+
+    plan(DecodeBatch) once per step; run(q [B, Hq, D], k_cache [C, Hkv, D], v_cache) -> o [B, Hq, D]
+    once per layer. Subclasses only decide ``ClassPlan.choice`` per class (``_choose``).
+    """
+
+    name = "base"
+    graph_safe = True
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, tensor_core_decode: str = "auto", sm_scale: Optional[float] = None,
+                 cuda_graph: bool = False):
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"{self.name}: num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        self.hq, self.hkv, self.d = num_q_heads, num_kv_heads, head_dim
+        self.group = num_q_heads // num_kv_heads
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.sm_scale = reference.default_scale(head_dim) if sm_scale is None else sm_scale
+        self.tensor_core_decode = tensor_core_decode
+        self.cuda_graph = cuda_graph
+        self.last_decisions: list[dict] = []
+        self._plan: Optional[StepPlan] = None
+        self._gpu = None
+        if self.device.type == "cuda":
+            from granikv.attention.gpu_paths import GpuPaths
+
+            self._gpu = GpuPaths(self)
+
+    # ---- decisions ------------------------------------------------------------------------
+    def _choose(self, classes: list[ClassPlan], batch_size: int) -> None:
+        raise NotImplementedError
+
+    # ---- plan -----------------------------------------------------------------------------
+    def plan(self, batch: DecodeBatch) -> None:
+        """Group classes, choose a path per class, build the rest-of-request slot lists, plan kernels."""
+        b = batch.batch_size
+        if batch.kv_indptr.numel() != b + 1:
+            raise ValueError(f"{self.name}.plan: kv_indptr has {batch.kv_indptr.numel()} entries for {b} requests")
+        if not (len(batch.prefix_ids) == len(batch.hot_starts) == b):
+            raise ValueError(f"{self.name}.plan: prefix_lens/prefix_ids/hot_starts must all have {b} entries")
+        classes = group_classes(batch)
+        for c in classes:
+            c.meff = len(c.rows) * self.group
+        self._choose(classes, b)
+        indptr_h = batch.kv_indptr.to("cpu", torch.int64)          # [B+1] (one small host copy per step)
+        skip = torch.zeros(b, dtype=torch.int64)
+        dev = batch.kv_indptr.device
+        for c in classes:
+            if c.choice not in CHOICES:
+                raise ValueError(f"{self.name}: unknown prefix path '{c.choice}' for prefix_id={c.prefix_id}")
+            if c.choice == "dense" and c.hot_start < 0:
+                raise ValueError(f"{self.name}: prefix_id={c.prefix_id} chose dense but has no HOT run (hot_start=-1)")
+            if c.choice != "paged":
+                skip[c.rows] = c.prefix_len
+                c.rows_t = torch.tensor(c.rows, dtype=torch.int64, device=dev)
+                s0 = int(indptr_h[c.rows[0]])
+                c.slots = batch.kv_indices[s0:s0 + c.prefix_len]
+        lens = indptr_h[1:] - indptr_h[:-1]
+        if bool((lens < skip).any()):
+            raise ValueError(f"{self.name}.plan: a request has fewer KV slots than its prefix_len")
+        if not bool(skip.any()):
+            rest_indptr, rest_indices = batch.kv_indptr.int(), batch.kv_indices.int()
+            rest_indptr_h = indptr_h
+        else:
+            rest_lens = lens - skip
+            rest_indptr_h = torch.zeros(b + 1, dtype=torch.int64)
+            torch.cumsum(rest_lens, 0, out=rest_indptr_h[1:])
+            nnz = int(rest_indptr_h[-1])
+            shift = (indptr_h[:-1] + skip - rest_indptr_h[:-1]).to(dev)     # [B] start offset per request
+            pos = torch.repeat_interleave(shift, rest_lens.to(dev), output_size=nnz) + torch.arange(nnz, device=dev)
+            rest_indices = batch.kv_indices[pos].int()
+            rest_indptr = rest_indptr_h.to(dev, torch.int32)
+        self._plan = StepPlan(b, classes, rest_indptr, rest_indices, rest_indptr_h.int())
+        self.last_decisions = [
+            {"prefix_id": c.prefix_id, "batch": len(c.rows), "meff": c.meff, "prefix_len": c.prefix_len,
+             "hot": c.hot_start >= 0, "backend": c.choice} for c in classes]
+        nopfx = b - sum(len(c.rows) for c in classes)
+        if nopfx:
+            self.last_decisions.append({"prefix_id": -1, "batch": nopfx, "meff": nopfx * self.group,
+                                        "prefix_len": 0, "hot": False, "backend": "paged"})
+        if self._gpu is not None:
+            self._gpu.plan(self._plan)
+
+    def graph_key(self) -> tuple:
+        """Hashable of what a captured CUDA graph of run() depends on (valid after plan()).
+
+        Batch size, the rest-decode index capacity bucket (power of two) and, per split-off class,
+        (choice, B_class, Lp, hot_start): the dense path bakes the HOT slab address into the graph.
+        """
+        p = self._require_plan()
+        cls = tuple((c.choice, len(c.rows), c.prefix_len, c.hot_start) for c in p.classes if c.choice != "paged")
+        return (self.name, p.batch_size, _pow2(p.rest_indices.numel()), cls)
+
+    def _require_plan(self) -> StepPlan:
+        if self._plan is None:
+            raise RuntimeError(f"{self.name}.run called before plan()")
+        return self._plan
+
+    # ---- run ------------------------------------------------------------------------------
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Decode attention of the planned step for one layer: q [B, Hq, D] -> o [B, Hq, D]."""
+        p = self._require_plan()
+        if q.shape[0] != p.batch_size:
+            raise ValueError(f"{self.name}.run: q has {q.shape[0]} rows, plan has batch {p.batch_size}")
+        if self._gpu is not None:
+            return self._gpu.run(p, q, k_cache, v_cache)
+        return self._run_cpu(p, q, k_cache, v_cache)
+
+    def _run_cpu(self, p: StepPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        o, lse = reference.paged_decode_ref(q, k_cache, v_cache, p.rest_indptr, p.rest_indices, self.sm_scale)
+        for c in p.classes:
+            if c.choice == "paged":
+                continue
+            if c.choice == "dense":        # straight from the contiguous HOT slab view
+                kp = k_cache[c.hot_start:c.hot_start + c.prefix_len]
+                vp = v_cache[c.hot_start:c.hot_start + c.prefix_len]
+            else:                          # cascade / hydragen: read the prefix's slots
+                kp, vp = k_cache[c.slots], v_cache[c.slots]
+            qc = q[c.rows_t]
+            oc, lc = reference.attention_ref(qc, kp, vp, self.sm_scale)
+            om, lm = reference.merge_state(o[c.rows_t], lse[c.rows_t], oc, lc)
+            o[c.rows_t], lse[c.rows_t] = om, lm
+        return o
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class PagedBackend(PrefixAttentionBackend):
+    """SGLang default: one batch decode over every request's prefix+suffix slots (page size 1)."""
+
+    name = "paged"
+
+    def _choose(self, classes, batch_size):
+        for c in classes:
+            c.choice = "paged"
+
+
+class CascadeBackend(PrefixAttentionBackend):
+    """SGLang-Cascade: level 0 = the prefix common to EVERY request of the batch; none -> paged.
+
+    Common prefix = all B requests are in one class (same prefix_id); any request outside it, or
+    two classes, makes the batch-global common prefix empty and the step runs the paged path.
+    """
+
+    name = "cascade"
+
+    def _choose(self, classes, batch_size):
+        common = len(classes) == 1 and len(classes[0].rows) == batch_size
+        for c in classes:
+            c.choice = "cascade" if common else "paged"
+
+
+class DenseBackend(PrefixAttentionBackend):
+    """Dense-HOT for every class whose prefix is one HOT run; other classes paged (no dispatcher)."""
+
+    name = "dense"
+
+    def _choose(self, classes, batch_size):
+        for c in classes:
+            c.choice = "dense" if c.hot_start >= 0 else "paged"
+
+
+class HydragenBackend(PrefixAttentionBackend):
+    """HydraGen on paged storage: every class's prefix gathered to a scratch, then the dense math."""
+
+    name = "hydragen"
+
+    def _choose(self, classes, batch_size):
+        for c in classes:
+            c.choice = "hydragen"
+
+
+class GranikvBackend(PrefixAttentionBackend):
+    """GraniKV: per class dense / cascade / paged as the dispatcher says.
+
+    A class whose prefix is not one HOT run (admission fell back to COLD) cannot go dense: a dense
+    choice becomes cascade for it (the paged fallback, served the cascade/paged way).
+    """
+
+    name = "granikv"
+
+    def __init__(self, *args, dispatcher=None, **kwargs):
+        if dispatcher is None:
+            raise ValueError("granikv backend needs a dispatcher (granikv.attention.dispatch.Dispatcher)")
+        self.dispatcher = dispatcher
+        super().__init__(*args, **kwargs)
+
+    def _choose(self, classes, batch_size):
+        for c in classes:
+            choice = self.dispatcher.choose(c.prefix_len, len(c.rows))
+            c.choice = "cascade" if (choice == "dense" and c.hot_start < 0) else choice
+
+
+BACKEND_CLASSES = {"paged": PagedBackend, "cascade": CascadeBackend, "dense": DenseBackend,
+                   "hydragen": HydragenBackend, "granikv": GranikvBackend}
+
+
+def make_backend(system_cfg: Any, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, dispatcher: Any = None,
+                 cuda_graph: bool = False) -> PrefixAttentionBackend:
+    """The prefix backend of ``system_cfg.backend`` for heads per TP rank.
+
+    ``system_cfg``: a granikv.config.SystemConfig (or anything with ``backend``, ``dispatch``,
+    ``tensor_core_decode``). For ``granikv`` without an explicit dispatcher, a Dispatcher in
+    ``system_cfg.dispatch`` mode is built with the paper's A100 rule as table (use
+    granikv.attention.dispatch.Dispatcher.from_hardware to pass the fitted table).
+    """
+    name = getattr(system_cfg, "backend", system_cfg)
+    if name not in BACKEND_CLASSES:
+        raise ValueError(f"system.backend: '{name}' is not one of {tuple(BACKEND_CLASSES)}")
+    tc = getattr(system_cfg, "tensor_core_decode", "auto")
+    kw = dict(device=device, dtype=dtype, tensor_core_decode=tc, cuda_graph=cuda_graph)
+    if name == "granikv":
+        if dispatcher is None:
+            from granikv.attention.dispatch import Dispatcher
+
+            dispatcher = Dispatcher(num_q_heads, num_kv_heads, head_dim, gpu_name="", table=None,
+                                    mode=getattr(system_cfg, "dispatch", "table"))
+        return GranikvBackend(num_q_heads, num_kv_heads, head_dim, dispatcher=dispatcher, **kw)
+    return BACKEND_CLASSES[name](num_q_heads, num_kv_heads, head_dim, **kw)

@@ -1,0 +1,141 @@
+"""Measurement primitives shared by runners.kernel_bench and runners.calibrate.
+
+- ``time_fn``: do_bench-style timing (warm-up, optional L2 flush before every repetition, CUDA
+  events on GPU / perf_counter on CPU, median and mean in ms).
+- ``measure_peaks``: the device's achievable bf16 (fp32 on CPU) matmul TFLOP/s and copy TB/s,
+  measured in the run (not datasheet numbers).
+- ``build_cell``: a KV cache and a DecodeBatch for one (shape, Lp, B, k, suffix) cell: k prefix
+  classes of Lp tokens, each one contiguous HOT run, B requests round-robin over the classes,
+  each with ``suffix_len`` own slots (the current token last) scattered over the COLD rows.
+- ``attention_flops`` / ``kv_bytes``: the work model of a step (see their docstrings).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from granikv.attention.batch import DecodeBatch
+
+
+@dataclass
+class Shape:
+    """Attention shape per TP rank."""
+
+    name: str
+    hq: int
+    hkv: int
+    d: int
+
+    def __post_init__(self):
+        if self.hq <= 0 or self.hkv <= 0 or self.d <= 0 or self.hq % self.hkv:
+            raise ValueError(f"shape '{self.name}': need positive hq, hkv, d with hq % hkv == 0, got "
+                             f"hq={self.hq} hkv={self.hkv} d={self.d}")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn: Callable[[], object], device: torch.device, warmup: int = 5, reps: int = 30,
+            l2_flush: bool = True, flush_bytes: int = 256 << 20) -> dict:
+    """Median / mean / min time of ``fn()`` in ms over ``reps`` runs after ``warmup`` runs."""
+    device = torch.device(device)
+    flush = torch.empty(flush_bytes if device.type == "cuda" else (8 << 20), dtype=torch.uint8, device=device) \
+        if l2_flush else None
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    if device.type == "cuda":
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            if flush is not None:
+                flush.zero_()
+            starts[i].record()
+            fn()
+            ends[i].record()
+        torch.cuda.synchronize(device)
+        times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    else:
+        for _ in range(reps):
+            if flush is not None:
+                flush.zero_()
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {"time_ms": statistics.median(times), "time_ms_mean": statistics.fmean(times),
+            "time_ms_min": min(times), "reps": reps, "warmup": warmup, "l2_flush": bool(l2_flush)}
+
+
+def measure_peaks(device: torch.device, dtype: torch.dtype) -> dict:
+    """Achievable matmul TFLOP/s (n=8192 on GPU, 1024 on CPU) and copy TB/s (read+write bytes)."""
+    device = torch.device(device)
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    t = time_fn(lambda: torch.mm(a, b), device, warmup=3, reps=10 if device.type == "cuda" else 3, l2_flush=False)
+    tflops = 2 * n ** 3 / (t["time_ms"] * 1e-3) / 1e12
+    nbytes = (1 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t2 = time_fn(lambda: dst.copy_(src), device, warmup=3, reps=10 if device.type == "cuda" else 3, l2_flush=False)
+    tbps = 2 * nbytes / (t2["time_ms"] * 1e-3) / 1e12
+    del a, b, src, dst
+    return {"peak_tflops": tflops, "peak_tbps": tbps, "peak_matmul_n": n, "peak_copy_bytes": nbytes,
+            "peak_dtype": str(dtype).replace("torch.", "")}
+
+
+def build_cell(shape: Shape, lp: int, b: int, k: int, suffix_len: int, dtype: torch.dtype, device: torch.device,
+               seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, DecodeBatch]:
+    """k_cache/v_cache [C, Hkv, D] and the DecodeBatch of one cell (see module doc)."""
+    if k > b:
+        raise ValueError(f"num_prefixes={k} > batch={b}: every prefix class needs at least one request")
+    if lp < 1 or suffix_len < 1:
+        raise ValueError(f"prefix_len ({lp}) and suffix_len ({suffix_len}) must be >= 1")
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    hot = k * lp
+    cap = hot + b * suffix_len
+    k_cache = torch.randn(cap, shape.hkv, shape.d, device=device, dtype=torch.float32).to(dtype)
+    v_cache = torch.randn(cap, shape.hkv, shape.d, device=device, dtype=torch.float32).to(dtype)
+    cold = hot + torch.randperm(b * suffix_len, generator=g)                     # scattered COLD slots
+    cls = [i % k for i in range(b)]
+    idx = torch.empty(b, lp + suffix_len, dtype=torch.int64)
+    for i in range(b):
+        idx[i, :lp] = torch.arange(cls[i] * lp, (cls[i] + 1) * lp)
+        idx[i, lp:] = cold[i * suffix_len:(i + 1) * suffix_len]
+    indptr = torch.arange(b + 1, dtype=torch.int64) * (lp + suffix_len)
+    batch = DecodeBatch(indptr.to(device), idx.reshape(-1).to(device), [lp] * b, cls, [c * lp for c in cls])
+    return k_cache, v_cache, batch
+
+
+def attention_flops(shape: Shape, batch: DecodeBatch) -> int:
+    """4 * Hq * D per (query, key) pair (QK^T and PV, 2 flops per MAC), summed over the step."""
+    nnz = int(batch.kv_indptr[-1])
+    return 4 * shape.hq * shape.d * nnz
+
+
+def kv_bytes(shape: Shape, batch: DecodeBatch, decisions: list[dict], elt: int) -> int:
+    """Minimum bytes a backend moves for one layer: K+V tokens it must read (+ q and o).
+
+    Per class: paged reads the prefix once per request; cascade / dense read it once;
+    hydragen reads it, writes the scratch and reads the scratch (3x). Every request's own
+    slots are read once. Index bytes are not counted.
+    """
+    tok = 2 * shape.hkv * shape.d * elt
+    nnz = int(batch.kv_indptr[-1])
+    prefix_total = sum(d["batch"] * d["prefix_len"] for d in decisions)
+    moved = nnz - prefix_total
+    for d in decisions:
+        if d["backend"] == "paged":
+            moved += d["batch"] * d["prefix_len"]
+        elif d["backend"] == "hydragen":
+            moved += 3 * d["prefix_len"]
+        else:
+            moved += d["prefix_len"]
+    return moved * tok + 2 * batch.batch_size * shape.hq * shape.d * elt

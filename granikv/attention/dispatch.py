@@ -1,0 +1,134 @@
+"""Per-step, per-prefix-class choice of the prefix path (dense / cascade / paged) from a decision table.
+
+Table format (``HardwareConfig.decision_table``, written by ``runners.calibrate``): a list of rules,
+each a dict with
+
+    choice        dense | cascade | paged                         (required)
+    gpu           GPU name as torch reports it, or "*" (default "*": any GPU)
+    num_q_heads, num_kv_heads, head_dim    attention shape PER TP RANK (default: any)
+    lp_min, lp_max        prefix length range [lp_min, lp_max)    (default 0, none)
+    meff_min, meff_max    Meff = B_class * Hq/Hkv range [min, max) (default 0, none)
+
+The rules that match this dispatcher's GPU and shape are kept in table order; for a class the
+FIRST rule whose Lp and Meff ranges contain it wins (ties = table order). When no rule matches
+the GPU and shape at all, or none covers a (Lp, Meff), the paper's A100 rule is used
+(Meff >= 1024 -> dense, else cascade) with a warning, once per dispatcher and reason.
+
+Cost: choose() is a dict lookup after the first time a (Lp, B_class) pair is seen; no device
+work at all (measured by ``python -m runners.dispatch_bench``).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+PATH_CHOICES = ("dense", "cascade", "paged")
+MODES = ("table", "dense_only", "cascade_only", "paged_only")
+RULE_KEYS = ("choice", "gpu", "num_q_heads", "num_kv_heads", "head_dim", "lp_min", "lp_max", "meff_min", "meff_max")
+PAPER_THRESHOLD = 1024
+
+
+def paper_rule(meff: int) -> str:
+    """The paper's A100 rule: dense when Meff >= 1024, else cascade."""
+    return "dense" if meff >= PAPER_THRESHOLD else "cascade"
+
+
+def check_table(table: Optional[list[dict[str, Any]]], where: str = "hardware.decision_table") -> list[dict]:
+    """Validate a decision table; raise ValueError naming the entry and field."""
+    if table is None:
+        return []
+    if not isinstance(table, (list, tuple)):
+        raise ValueError(f"{where}: must be a list of rule dicts, got {type(table).__name__}")
+    out = []
+    for i, r in enumerate(table):
+        r = dict(r)
+        bad = [k for k in r if k not in RULE_KEYS]
+        if bad:
+            raise ValueError(f"{where}[{i}]: unknown key(s) {bad}; allowed: {RULE_KEYS}")
+        if r.get("choice") not in PATH_CHOICES:
+            raise ValueError(f"{where}[{i}].choice: '{r.get('choice')}' is not one of {PATH_CHOICES}")
+        for k in ("num_q_heads", "num_kv_heads", "head_dim", "lp_min", "lp_max", "meff_min", "meff_max"):
+            v = r.get(k)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"{where}[{i}].{k}: must be a non-negative int or absent, got {v!r}")
+        for lo, hi in (("lp_min", "lp_max"), ("meff_min", "meff_max")):
+            if r.get(hi) is not None and r.get(hi) <= r.get(lo, 0):
+                raise ValueError(f"{where}[{i}]: {hi}={r[hi]} must be > {lo}={r.get(lo, 0)} (ranges are [min, max))")
+        out.append(r)
+    return out
+
+
+class Dispatcher:
+    """Chooses dense / cascade / paged per prefix class from (Lp, B_class) for one GPU and shape.
+
+    ``mode``: table (default) | dense_only | cascade_only | paged_only (the ablations).
+    """
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, gpu_name: str = "",
+                 table: Optional[list[dict[str, Any]]] = None, mode: str = "table"):
+        if mode not in MODES:
+            raise ValueError(f"system.dispatch: '{mode}' is not one of {MODES}")
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"Dispatcher: num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        self.mode = mode
+        self.group = num_q_heads // num_kv_heads
+        self.gpu_name = gpu_name or ""
+        self.shape = (num_q_heads, num_kv_heads, head_dim)
+        rules = check_table(table)
+        # (lp_min, lp_max, meff_min, meff_max, choice) of the rules for this GPU and shape, in order
+        self._rules = [(r.get("lp_min", 0), r.get("lp_max"), r.get("meff_min", 0), r.get("meff_max"), r["choice"])
+                       for r in rules if self._matches(r)]
+        self._cache: dict[tuple[int, int], str] = {}
+        self._warned: set[str] = set()
+        self.fallbacks = 0
+
+    @classmethod
+    def from_hardware(cls, hw_cfg: Any, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                      mode: str = "table", gpu_name: Optional[str] = None) -> "Dispatcher":
+        """From a HardwareConfig: its decision_table; the GPU name from the config, else torch."""
+        name = gpu_name if gpu_name is not None else (getattr(hw_cfg, "gpu_name", "") or "")
+        if not name:
+            import torch
+
+            if torch.cuda.is_available():
+                name = torch.cuda.get_device_name(0)
+        return cls(num_q_heads, num_kv_heads, head_dim, name, getattr(hw_cfg, "decision_table", None), mode)
+
+    def _matches(self, r: dict) -> bool:
+        gpu = r.get("gpu", "*")
+        if gpu not in ("*", None) and gpu.lower() != self.gpu_name.lower():
+            return False
+        for key, val in zip(("num_q_heads", "num_kv_heads", "head_dim"), self.shape):
+            if r.get(key) is not None and r[key] != val:
+                return False
+        return True
+
+    @property
+    def has_table(self) -> bool:
+        """True when the table has rules for this GPU and shape."""
+        return bool(self._rules)
+
+    def choose(self, prefix_len: int, batch_class: int) -> str:
+        """Path for a class of ``batch_class`` requests sharing a ``prefix_len``-token prefix."""
+        key = (prefix_len, batch_class)
+        c = self._cache.get(key)
+        if c is None:
+            c = self._cache[key] = self._decide(prefix_len, batch_class * self.group)
+        return c
+
+    def _decide(self, lp: int, meff: int) -> str:
+        if self.mode != "table":
+            return self.mode[:-len("_only")]
+        for lp_lo, lp_hi, m_lo, m_hi, choice in self._rules:
+            if lp >= lp_lo and (lp_hi is None or lp < lp_hi) and meff >= m_lo and (m_hi is None or meff < m_hi):
+                return choice
+        self.fallbacks += 1
+        reason = "no_rules" if not self._rules else "uncovered"
+        if reason not in self._warned:
+            self._warned.add(reason)
+            what = (f"no decision-table rules for GPU '{self.gpu_name or 'unknown'}' and shape "
+                    f"Hq/Hkv/D={self.shape}" if reason == "no_rules" else
+                    f"decision table does not cover Lp={lp}, Meff={meff} (GPU '{self.gpu_name}', shape {self.shape})")
+            warnings.warn(f"{what}: using the paper's A100 rule (Meff >= {PAPER_THRESHOLD} -> dense, else cascade); "
+                          "run `python -m runners.calibrate` on this GPU to fit a table", RuntimeWarning, stacklevel=3)
+        return paper_rule(meff)

@@ -1,0 +1,142 @@
+"""Thin wrappers over FlashInfer (0.7.2.post1) with SGLang's settings. Imported lazily: GPU only.
+
+Settings matched to SGLang's FlashInfer backend (python/sglang/srt/layers/attention/flashinfer_backend.py):
+- one shared float workspace of 384 MiB (SGLANG_FLASHINFER_WORKSPACE_SIZE default);
+- KV layout NHD, page size 1 (k_cache [C, Hkv, D] is passed as pages ``[C, 1, Hkv, D]``);
+- decode tensor cores on when Hq/Hkv >= 4 for fp16/bf16 KV (``should_use_tensor_core``);
+- CUDA graphs: wrappers built with ``use_cuda_graph=True`` and caller-owned index buffers, one
+  wrapper per captured batch size (a graph-mode wrapper cannot change its batch size).
+LSE from every call is base 2, ``[tokens, heads]`` fp32 (see granikv.attention.reference).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+WORKSPACE_BYTES = 384 * 1024 * 1024
+_workspaces: dict[torch.device, torch.Tensor] = {}
+
+
+def fi():
+    """The flashinfer module, with a clear error where it is not installed."""
+    try:
+        import flashinfer  # type: ignore
+    except ImportError as e:  # pragma: no cover - CPU machines
+        raise RuntimeError("FlashInfer is not importable: the GPU paths need flashinfer-python==0.7.2.post1 "
+                           "(runners/gpu/attention.sh puts it on PYTHONPATH); use device=cpu for the torch paths") from e
+    return flashinfer
+
+
+def available() -> bool:
+    """True when CUDA and flashinfer are both usable."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        fi()
+        return True
+    except RuntimeError:
+        return False
+
+
+def workspace(device: torch.device) -> torch.Tensor:
+    """The shared float workspace for ``device`` (allocated once, zeroed, like SGLang's global buffer)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _workspaces:
+        _workspaces[device] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return _workspaces[device]
+
+
+def use_tensor_cores(num_q_heads: int, num_kv_heads: int, kv_dtype: torch.dtype, mode: str = "auto") -> bool:
+    """SGLang's rule: fp8 KV -> on; fp16/bf16 -> on iff Hq/Hkv >= 4; else off. ``mode`` on/off overrides."""
+    if mode == "on":
+        return True
+    if mode == "off":
+        return False
+    if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return True
+    if kv_dtype in (torch.float16, torch.bfloat16):
+        return num_q_heads // num_kv_heads >= 4
+    return False
+
+
+def paged(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[C, Hkv, D] buffers as FlashInfer NHD pages of size 1: ``[C, 1, Hkv, D]`` views."""
+    return k_cache.unsqueeze(1), v_cache.unsqueeze(1)
+
+
+def make_decode_wrapper(ws: torch.Tensor, tensor_cores: bool, graph_bufs: Optional[dict] = None):
+    """BatchDecodeWithPagedKVCacheWrapper; ``graph_bufs`` (indptr [B+1], indices [N], last_page_len [B]) = CUDA-graph mode."""
+    f = fi()
+    if graph_bufs is None:
+        return f.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores)
+    return f.BatchDecodeWithPagedKVCacheWrapper(
+        ws, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+        paged_kv_indptr_buffer=graph_bufs["indptr"], paged_kv_indices_buffer=graph_bufs["indices"],
+        paged_kv_last_page_len_buffer=graph_bufs["last_page_len"])
+
+
+def plan_decode(wrapper, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, hq: int, hkv: int,
+                d: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, sm_scale: float) -> None:
+    """Plan one decode step, page size 1 (``last_page_len`` all ones [B], int32)."""
+    wrapper.plan(indptr, indices, last_page_len, hq, hkv, d, 1, q_data_type=q_dtype, kv_data_type=kv_dtype,
+                 sm_scale=sm_scale)
+
+
+def make_prefill_paged_wrapper(ws: torch.Tensor, graph_bufs: Optional[dict] = None):
+    """BatchPrefillWithPagedKVCacheWrapper (NHD); ``graph_bufs`` (qo_indptr, indptr, indices, last_page_len) = graph mode."""
+    f = fi()
+    if graph_bufs is None:
+        return f.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+    return f.BatchPrefillWithPagedKVCacheWrapper(
+        ws, "NHD", use_cuda_graph=True, qo_indptr_buf=graph_bufs["qo_indptr"],
+        paged_kv_indptr_buf=graph_bufs["indptr"], paged_kv_indices_buf=graph_bufs["indices"],
+        paged_kv_last_page_len_buf=graph_bufs["last_page_len"])
+
+
+def plan_prefill_paged(wrapper, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, hq: int,
+                       hkv: int, d: int, causal: bool, sm_scale: float, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                       last_page_len: Optional[torch.Tensor] = None) -> None:
+    """Plan a ragged prefill over page-size-1 KV (causal = bottom-right aligned, as SGLang's extend)."""
+    if last_page_len is None:
+        last_page_len = torch.ones(kv_indptr.numel() - 1, dtype=torch.int32, device=kv_indptr.device)
+    wrapper.plan(qo_indptr.int(), kv_indptr.int(), kv_indices.int(), last_page_len, hq, hkv, d, 1, causal=causal,
+                 sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype)
+
+
+def make_cascade_wrapper(ws: torch.Tensor, num_levels: int = 2, graph_bufs: Optional[dict] = None):
+    """MultiLevelCascadeAttentionWrapper (NHD); ``graph_bufs`` holds per-level buffer lists for graph mode."""
+    f = fi()
+    if graph_bufs is None:
+        return f.MultiLevelCascadeAttentionWrapper(num_levels, ws, "NHD")
+    return f.MultiLevelCascadeAttentionWrapper(
+        num_levels, ws, "NHD", use_cuda_graph=True, qo_indptr_buf_arr=graph_bufs["qo_indptr"],
+        paged_kv_indptr_buf_arr=graph_bufs["indptr"], paged_kv_indices_buf_arr=graph_bufs["indices"],
+        paged_kv_last_page_len_buf_arr=graph_bufs["last_page_len"])
+
+
+def plan_cascade(wrapper, qo_indptrs: list, kv_indptrs: list, kv_indices: list, hq: int, hkv: int, d: int,
+                 sm_scale: float, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    """Plan a multi-level cascade, page size 1, non-causal at every level (decode)."""
+    lpl = [torch.ones(p.numel() - 1, dtype=torch.int32, device=p.device) for p in kv_indptrs]
+    wrapper.plan([p.int() for p in qo_indptrs], [p.int() for p in kv_indptrs], [x.int() for x in kv_indices], lpl,
+                 hq, hkv, d, 1, causal=False, sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype)
+
+
+def single_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+                   causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention of q [N, Hq, D] over contiguous k/v [L, Hkv, D] (GQA folded into rows) -> (o, lse)."""
+    return fi().single_prefill_with_kv_cache(q, k, v, causal=causal, kv_layout="NHD", sm_scale=sm_scale,
+                                             return_lse=True)
+
+
+def merge_state(v_a, s_a, v_b, s_b):
+    """FlashInfer merge of two states (base-2 LSE) -> (v, s)."""
+    return fi().merge_state(v_a, s_a, v_b, s_b)
+
+
+def merge_state_in_place(v, s, v_other, s_other, mask: Optional[torch.Tensor] = None) -> None:
+    """FlashInfer in-place merge ``(v, s) <- merge((v, s), (v_other, s_other))``."""
+    fi().merge_state_in_place(v, s, v_other, s_other, mask)

@@ -1,0 +1,194 @@
+"""The FlashInfer (GPU) execution of a StepPlan: wrapper sets, persistent buffers, CUDA-graph mode.
+
+One ``WrapperSet`` holds the FlashInfer wrappers and the index buffers of one step structure.
+Eager mode (``cuda_graph=False``) uses a single set re-planned every step. Graph mode keeps one
+set per ``backend.graph_key()``: a graph-mode FlashInfer wrapper cannot change its batch size,
+and a captured graph bakes in buffer addresses, so everything run() reads lives in buffers that
+plan() overwrites in place. Per layer, run() issues:
+
+  rest decode (1 launch set) -> per split class: dense single prefill on the HOT slab view /
+  hydragen gather + single prefill / ONE paged batch prefill for all per-class-cascade classes
+  -> scatter into the prefix state -> ONE in-place merge.
+
+The batch-global ``cascade`` backend runs FlashInfer's MultiLevelCascadeAttentionWrapper (2 levels).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from granikv.attention import flashinfer_ops as fo
+
+
+class WrapperSet:
+    """FlashInfer wrappers + persistent buffers for one step structure (see module doc)."""
+
+    def __init__(self, be, graph: bool, batch_size: int, rest_cap: int, classes):
+        self.be, self.graph = be, graph
+        dev = be.device
+        self.ws = fo.workspace(dev)
+        self.tc = fo.use_tensor_cores(be.hq, be.hkv, be.dtype, be.tensor_core_decode)
+        b = batch_size
+        i32 = dict(dtype=torch.int32, device=dev)
+        split = [c for c in classes if c.choice != "paged"]
+        self.multilevel = be.name == "cascade" and bool(split)
+        self.decode = self.cascade = self.prefill = None
+        if self.multilevel:
+            lp = split[0].prefix_len
+            bufs = None
+            if graph:
+                bufs = {"qo_indptr": [torch.zeros(2, **i32), torch.zeros(b + 1, **i32)],
+                        "indptr": [torch.zeros(2, **i32), torch.zeros(b + 1, **i32)],
+                        "indices": [torch.zeros(lp, **i32), torch.zeros(rest_cap, **i32)],
+                        "last_page_len": [torch.ones(1, **i32), torch.ones(b, **i32)]}
+            self.cascade = fo.make_cascade_wrapper(self.ws, 2, bufs)
+        else:
+            bufs = None
+            if graph:
+                bufs = {"indptr": torch.zeros(b + 1, **i32), "indices": torch.zeros(rest_cap, **i32),
+                        "last_page_len": torch.ones(b, **i32)}
+            self.decode = fo.make_decode_wrapper(self.ws, self.tc, bufs)
+            cas = [c for c in split if c.choice == "cascade"]
+            if cas:
+                n, nnz = len(cas), sum(c.prefix_len for c in cas)
+                pbufs = None
+                if graph:
+                    pbufs = {"qo_indptr": torch.zeros(n + 1, **i32), "indptr": torch.zeros(n + 1, **i32),
+                             "indices": torch.zeros(nnz, **i32), "last_page_len": torch.ones(n, **i32)}
+                self.prefill = fo.make_prefill_paged_wrapper(self.ws, pbufs)
+        self.last_page_len = torch.ones(b, **i32)
+        self.rows_buf = torch.zeros(b, dtype=torch.int64, device=dev)     # split classes' rows, class after class
+        self.slots_buf: Optional[torch.Tensor] = None                     # hydragen prefix slots
+        lp_h = max((c.prefix_len for c in split if c.choice == "hydragen"), default=0)
+        if lp_h:
+            self.slots_buf = torch.zeros(sum(c.prefix_len for c in split if c.choice == "hydragen"),
+                                         dtype=torch.int64, device=dev)
+            self.scratch_k = torch.empty(lp_h, be.hkv, be.d, dtype=be.dtype, device=dev)
+            self.scratch_v = torch.empty_like(self.scratch_k)
+
+    def plan(self, p) -> None:
+        be = self.be
+        b = p.batch_size
+        split = [c for c in p.classes if c.choice != "paged"]
+        if self.multilevel:
+            c = split[0]
+            dev = be.device
+            fo.plan_cascade(self.cascade, [torch.tensor([0, b], dtype=torch.int32), torch.arange(b + 1, dtype=torch.int32)],
+                            [torch.tensor([0, c.prefix_len], dtype=torch.int32), p.rest_indptr_host],
+                            [c.slots.to(dev, torch.int32), p.rest_indices], be.hq, be.hkv, be.d, be.sm_scale,
+                            be.dtype, be.dtype)
+            self.segments = []
+            return
+        fo.plan_decode(self.decode, p.rest_indptr_host, p.rest_indices, self.last_page_len[:b], be.hq, be.hkv, be.d,
+                       be.dtype, be.dtype, be.sm_scale)
+        # rows of the split classes, packed class after class into one persistent buffer
+        self.segments = []           # (choice, rows view, lp, hot_start, slots view)
+        off, soff = 0, 0
+        for c in split:
+            n = len(c.rows)
+            self.rows_buf[off:off + n].copy_(c.rows_t)
+            slots = None
+            if c.choice == "hydragen":
+                self.slots_buf[soff:soff + c.prefix_len].copy_(c.slots)
+                slots = self.slots_buf[soff:soff + c.prefix_len]
+                soff += c.prefix_len
+            self.segments.append((c.choice, self.rows_buf[off:off + n], c.prefix_len, c.hot_start, slots))
+            off += n
+        self.identity_rows = len(split) == 1 and split[0].rows == list(range(b))
+        cas = [c for c in split if c.choice == "cascade"]
+        self.cas_rows = None
+        if cas:
+            qo = [0]
+            kv = [0]
+            for c in cas:
+                qo.append(qo[-1] + len(c.rows))
+                kv.append(kv[-1] + c.prefix_len)
+            fo.plan_prefill_paged(self.prefill, torch.tensor(qo, dtype=torch.int32), torch.tensor(kv, dtype=torch.int32),
+                                  torch.cat([c.slots for c in cas]), be.hq, be.hkv, be.d, causal=False,
+                                  sm_scale=be.sm_scale, q_dtype=be.dtype, kv_dtype=be.dtype,
+                                  last_page_len=self.last_page_len[:len(cas)])
+            # cascade classes' rows are contiguous in rows_buf only if they come first: gather them explicitly
+            idx = [i for i, s in enumerate(self.segments) if s[0] == "cascade"]
+            self.cas_rows = torch.cat([self.segments[i][1] for i in idx]) if len(idx) > 1 else self.segments[idx[0]][1]
+            if self.graph and len(idx) > 1:       # persistent copy for graph replay
+                self.cas_rows_buf = torch.empty_like(self.cas_rows)
+                self.cas_rows_buf.copy_(self.cas_rows)
+                self.cas_rows = self.cas_rows_buf
+
+    def run(self, p, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        be = self.be
+        kv = fo.paged(k_cache, v_cache)
+        if self.multilevel:
+            return self.cascade.run(q, kv)
+        if not self.segments:
+            return self.decode.run(q, kv)
+        o, lse = self.decode.run(q, kv, return_lse=True)            # [B, Hq, D], [B, Hq] base 2
+        if self.identity_rows and self.segments[0][0] != "cascade":
+            oc, lc = self._prefix_state(self.segments[0], q, k_cache, v_cache)
+            fo.merge_state_in_place(o, lse, oc, lc)
+            return o
+        o_pre = torch.zeros_like(o)
+        lse_pre = torch.full_like(lse, -math.inf)
+        for seg in self.segments:
+            if seg[0] == "cascade":
+                continue
+            oc, lc = self._prefix_state(seg, q, k_cache, v_cache)
+            o_pre.index_copy_(0, seg[1], oc)
+            lse_pre.index_copy_(0, seg[1], lc)
+        if self.cas_rows is not None:
+            oc, lc = self.prefill.run(q.index_select(0, self.cas_rows), kv, return_lse=True)
+            o_pre.index_copy_(0, self.cas_rows, oc)
+            lse_pre.index_copy_(0, self.cas_rows, lc)
+        fo.merge_state_in_place(o, lse, o_pre, lse_pre)
+        return o
+
+    def _prefix_state(self, seg, q, k_cache, v_cache):
+        choice, rows, lp, hs, slots = seg
+        qc = q if self.identity_rows else q.index_select(0, rows)
+        if choice == "dense":
+            kp, vp = k_cache[hs:hs + lp], v_cache[hs:hs + lp]        # contiguous HOT slab views
+        else:                                                       # hydragen: gather to scratch first
+            kp, vp = self.scratch_k[:lp], self.scratch_v[:lp]
+            torch.index_select(k_cache, 0, slots, out=kp)
+            torch.index_select(v_cache, 0, slots, out=vp)
+        return fo.single_prefill(qc, kp, vp, self.be.sm_scale)
+
+
+class GpuPaths:
+    """Per-backend GPU state: the wrapper set(s) and which one the current step uses."""
+
+    def __init__(self, be):
+        self.be = be
+        self.sets: dict = {}
+        self.current: Optional[WrapperSet] = None
+
+    def plan(self, p) -> None:
+        be = self.be
+        key = be.graph_key() if be.cuda_graph else None
+        ws = self.sets.get(key)
+        if ws is None or (not be.cuda_graph and not self._fits(ws, p)):
+            from granikv.attention.backends import _pow2
+
+            ws = WrapperSet(be, be.cuda_graph, p.batch_size, _pow2(p.rest_indices.numel()), p.classes)
+            self.sets[key] = ws
+        ws.plan(p)
+        self.current = ws
+
+    @staticmethod
+    def _fits(ws: WrapperSet, p) -> bool:
+        """Eager mode: rebuild the (cheap) set when the structure needs other wrappers or buffers."""
+        split = [c for c in p.classes if c.choice != "paged"]
+        multilevel = ws.be.name == "cascade" and bool(split)
+        if multilevel != ws.multilevel or ws.rows_buf.numel() < p.batch_size:
+            return False
+        if any(c.choice == "cascade" for c in split) and ws.prefill is None:
+            return False
+        need = [c.prefix_len for c in split if c.choice == "hydragen"]
+        if need and (ws.slots_buf is None or ws.slots_buf.numel() < sum(need) or ws.scratch_k.shape[0] < max(need)):
+            return False
+        return True
+
+    def run(self, p, q, k_cache, v_cache) -> torch.Tensor:
+        return self.current.run(p, q, k_cache, v_cache)

@@ -1,0 +1,1 @@
+"""A compact serving engine for measurement: model, runner, scheduler, step loop, systems."""

@@ -1,0 +1,238 @@
+"""The serving engine: builds model, KV cache and system from a RunConfig, and runs the step loop.
+
+    engine = Engine(cfg)                      # validates, builds everything
+    result = engine.run(requests, on_step=None)
+    result.records  # RequestRecord per request: output ids, one wall time per token (streaming)
+    result.steps    # one dict per step: the dispatch trace
+    result.stats    # dispatch counts, HOT/COLD capacity and peaks, evictions, graphs, ...
+
+Requests arrive at ``arrival_s`` after the start of ``run()`` (real wall clock; the loop sleeps
+when idle). Under tensor parallelism every rank runs the same loop; rank 0's clock is broadcast
+whenever an admission decision depends on it, so all ranks take identical steps.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+
+from granikv.config import RunConfig
+from granikv.engine.model import CausalLM, TPGroup, generate_reference
+from granikv.engine.runner import ModelRunner
+from granikv.engine.scheduler import Scheduler, Seq, Storage, check_fits
+from granikv.engine.systems import build_backend, validate
+from granikv.kv import KVCache
+from granikv.request import Request, RequestRecord
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RunResult:
+    """What one ``Engine.run`` produced (warm-up excluded)."""
+
+    records: list[RequestRecord]
+    steps: list[dict]
+    stats: dict = field(default_factory=dict)
+
+
+def kv_budget_tokens(cfg: RunConfig, bytes_per_token: int, device: torch.device) -> int:
+    """KV slots: fixed ``kv_budget_tokens``, else the per-model preset, else mem_fraction of GPU memory."""
+    hw = cfg.hardware
+    if hw.kv_budget_tokens is not None:
+        return int(hw.kv_budget_tokens)
+    if hw.kv_budget_per_model:
+        if cfg.model.name not in hw.kv_budget_per_model:
+            raise ValueError(f"config error at `hardware.kv_budget_per_model`: no budget for model "
+                             f"'{cfg.model.name}' in preset '{hw.name}' (has {sorted(hw.kv_budget_per_model)})")
+        return int(hw.kv_budget_per_model[cfg.model.name])
+    if device.type != "cuda":
+        raise ValueError("config error at `hardware.kv_budget_tokens`: required on CPU (there is no "
+                         "free GPU memory to take a mem_fraction of); e.g. hardware.kv_budget_tokens=4096")
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info(device)
+    avail = free - total * (1.0 - hw.mem_fraction)  # SGLang's mem_fraction_static rule
+    n = int(avail // bytes_per_token)
+    if cfg.tp > 1:
+        t = torch.tensor([n], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        n = int(t.item())
+    if n <= 0:
+        raise ValueError(f"config error at `hardware.mem_fraction`: no GPU memory left for KV after the "
+                         f"weights (free {free / 2**30:.1f} GiB of {total / 2**30:.1f}); raise mem_fraction or tp")
+    return n
+
+
+class Engine:
+    """A compact serving engine (nano-vllm sized) running one system of ``cfg`` on one TP rank.
+
+    ``pad_batches`` pads decode batches to the CUDA-graph sizes even without graphs (CPU tests
+    of the padding path); None = pad exactly when graphs are used.
+    """
+
+    def __init__(self, cfg: RunConfig, pad_batches: bool | None = None):
+        m, hw, system = cfg.model, cfg.hardware, cfg.system
+        if m.arch not in ("llama", "qwen2"):
+            raise ValueError(f"config error at `model.arch`: unknown model architecture '{m.arch}' "
+                             f"(model '{m.name}'); use llama or qwen2")
+        validate(system)
+        if hw.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("config error at `hardware.device`: cuda requested but no GPU is visible; use hardware=cpu")
+        if hw.device == "cpu" and hw.kv_budget_tokens is None and not hw.kv_budget_per_model:
+            raise ValueError("config error at `hardware.kv_budget_tokens`: required on CPU; "
+                             "e.g. hardware.kv_budget_tokens=4096")
+        self.cfg = cfg
+        self.tp = TPGroup(cfg.tp)
+        self.device = torch.device(hw.device, torch.cuda.current_device()) if hw.device == "cuda" else torch.device("cpu")
+        self.dtype = DTYPES[hw.dtype]
+        self.model = CausalLM(m, self.tp, cfg.seed, self.device, self.dtype)
+        hkv, hq = m.num_kv_heads // cfg.tp, m.num_heads // cfg.tp
+        bytes_per_token = 2 * m.num_layers * hkv * m.head_dim * self.model.embed.element_size()
+        budget = kv_budget_tokens(cfg, bytes_per_token, self.device)
+        self.kv = KVCache(m.num_layers, budget, hkv, m.head_dim, system.hot_fraction, self.dtype, self.device)
+        if self.kv.capacity_tokens - self.kv.hot_tokens < 2:
+            raise ValueError(f"config error at `hardware.kv_budget_tokens`: {budget} tokens leave no COLD slots")
+        self.storage = Storage(self.kv, enable_hot=system.hot_fraction > 0)
+        use_graphs = hw.device == "cuda" and hw.cuda_graph_max_bs > 0
+        self.backend = build_backend(system, m, hw, cfg.tp, self.device, self.dtype, cuda_graph=use_graphs)
+        from granikv.attention.prefill import PrefillAttention
+        self.prefill_attn = PrefillAttention(hq, hkv, m.head_dim, self.device, self.dtype)
+        self.group = hq // hkv
+        self.runner = ModelRunner(self.model, self.kv, self.storage, self.backend, self.prefill_attn,
+                                  max_rows=hw.max_running_requests, max_len=1,
+                                  cuda_graph_max_bs=hw.cuda_graph_max_bs, use_graphs=use_graphs,
+                                  pad=bool(pad_batches))
+
+    # ------------------------------------------------------------------ checks
+    def validate(self, requests: list[Request]) -> None:
+        """Clear errors for requests that could never be served, before any work."""
+        m = self.cfg.model
+        seen = set()
+        for r in requests:
+            if r.rid in seen:
+                raise ValueError(f"request rid={r.rid} appears twice; rids must be unique")
+            seen.add(r.rid)
+            total = len(r.prompt_ids) + r.output_len
+            if total > m.max_position_embeddings:
+                raise ValueError(f"config error at `workload`: request {r.rid} has prompt {len(r.prompt_ids)} + "
+                                 f"output {r.output_len} = {total} tokens, longer than model '{m.name}' "
+                                 f"max_position_embeddings={m.max_position_embeddings}; shorten prefix_len/suffix_len/output_len")
+            if not r.prompt_ids:
+                raise ValueError(f"request {r.rid} has an empty prompt")
+            if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= m.vocab_size:
+                raise ValueError(f"request {r.rid} has token ids outside [0, vocab_size={m.vocab_size})")
+            check_fits(r, self.storage)
+
+    # ------------------------------------------------------------------ run
+    def run(self, requests: list[Request], on_step=None) -> RunResult:
+        """Serve ``requests`` (arrivals relative to now); warm-up requests first, excluded from results."""
+        self.validate(requests)
+        warm = None
+        if self.cfg.warmup_requests > 0:
+            w = [replace(r, arrival_s=0.0) for r in requests[: self.cfg.warmup_requests]]
+            warm = self._serve(w, None)
+        result = self._serve(requests, on_step)
+        if warm is not None:
+            result.stats["warmup"] = {"requests": len(warm.records), "steps": len(warm.steps),
+                                      "duration_s": warm.stats["duration_s"]}
+        return result
+
+    def _serve(self, requests: list[Request], on_step) -> RunResult:
+        self.storage.reset()
+        self.runner.reset()
+        self.runner.eager_reasons = {}
+        width = max(len(r.prompt_ids) + r.output_len for r in requests)
+        if self.runner.table.shape[1] < width:
+            self.runner.table = torch.zeros(self.runner.pad_row + 1, width, dtype=torch.int64, device=self.device)
+            self.runner.reset()
+        sched = Scheduler(self.storage, self.cfg.hardware, max_rows=self.runner.pad_row)
+        sched.add([Seq(r, i) for i, r in enumerate(requests)])
+        steps, t0 = [], time.perf_counter()
+        capture0 = self.runner.capture_s
+        while not sched.idle:
+            now = self._clock(t0, need_sync=bool(sched.pending))
+            for s in sched.admit_arrived(now):
+                self.runner.set_row(s)
+            chunks = sched.prefill_chunks()
+            decode = [] if chunks else sched.decode_seqs()
+            if not chunks and not decode:
+                nxt = sched.next_arrival()
+                if nxt is None or nxt <= now:
+                    raise RuntimeError("engine stalled: arrived requests cannot be admitted and nothing runs "
+                                       "(KV budget or max_running_requests too small)")
+                time.sleep(min(nxt - now, 0.05))
+                continue
+            start = time.perf_counter()
+            with torch.profiler.record_function("prefill_step" if chunks else "decode_step"):
+                if chunks:
+                    toks = self.runner.prefill(chunks)
+                    info = {}
+                else:
+                    toks, info = self.runner.decode(decode)
+            end = time.perf_counter()
+            if chunks:
+                sched.after_prefill(chunks, toks, end - t0)
+            else:
+                sched.after_decode(decode, toks, end - t0)
+            self.storage.observe()
+            rec = self._step_record(len(steps), chunks, decode, info, start - t0, end - start)
+            steps.append(rec)
+            if on_step is not None:
+                on_step(rec)
+        duration = time.perf_counter() - t0
+        records = [self._record(s) for s in sorted(sched.done, key=lambda s: s.order)]
+        return RunResult(records, steps, self._stats(steps, duration, self.runner.capture_s - capture0))
+
+    def _clock(self, t0: float, need_sync: bool) -> float:
+        now = time.perf_counter() - t0
+        if self.tp.size > 1 and need_sync:  # all ranks must admit the same requests
+            t = torch.tensor([now], dtype=torch.float64,
+                             device=self.device if self.device.type == "cuda" else "cpu")
+            dist.broadcast(t, src=0)
+            now = float(t.item())
+        return now
+
+    def _step_record(self, i, chunks, decode, info, start_s, dt) -> dict:
+        if chunks:
+            return {"step": i, "kind": "prefill", "batch_size": len(chunks),
+                    "num_tokens": sum(c.end - c.start for c in chunks), "meff": {}, "decisions": [],
+                    "t_start_s": start_s, "step_time_s": dt}
+        per_class = Counter(s.req.prefix_class for s in decode if s.req.shared_len > 0)
+        return {"step": i, "kind": "decode", "batch_size": len(decode), "num_tokens": len(decode),
+                "meff": {str(c): n * self.group for c, n in sorted(per_class.items())},
+                "decisions": [dict(d) for d in getattr(self.backend, "last_decisions", [])],
+                "padded_bs": info.get("padded_bs", len(decode)), "cuda_graph": info.get("graph", False),
+                **({"eager_reason": info["eager_reason"]} if "eager_reason" in info else {}),
+                "t_start_s": start_s, "step_time_s": dt}
+
+    def _record(self, s: Seq) -> RequestRecord:
+        return RequestRecord(rid=s.req.rid, arrival_s=s.req.arrival_s, prompt_len=s.prompt_len,
+                             output_ids=list(s.output_ids), token_times_s=list(s.token_times),
+                             cached_len=s.cached_len, prefix_class=s.req.prefix_class, prefix_where=s.where)
+
+    def _stats(self, steps: list[dict], duration: float, capture_s: float) -> dict:
+        counts: Counter = Counter()
+        for st in steps:
+            for d in st["decisions"]:
+                counts[str(d.get("backend", d.get("choice", "?")))] += 1
+        st, kv = self.storage, self.kv
+        return {
+            "dispatch_counts": dict(counts), "duration_s": duration,
+            "kv_budget_tokens": kv.capacity_tokens, "hot_capacity_tokens": kv.hot_tokens,
+            "cold_capacity_tokens": kv.capacity_tokens - kv.hot_tokens,
+            "hot_peak_tokens": st.peak_hot, "cold_peak_tokens": st.peak_cold,
+            "evicted_tokens": st.index.evicted_tokens, "admissions": dict(st.admission.counts),
+            "cuda_graph_sizes_captured": sorted({k[0] for k in self.runner.graphs}),
+            "cuda_graphs_captured": len(self.runner.graphs), "cuda_graph_capture_s": capture_s,
+            "eager_decode_reasons": dict(self.runner.eager_reasons),
+            "num_steps": len(steps), "num_decode_steps": sum(s["kind"] == "decode" for s in steps),
+            "tp": self.tp.size, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+        }
+
+    # ------------------------------------------------------------------ oracle
+    def generate_reference(self, prompt_ids: list[int], n: int) -> list[int]:
+        """Greedy tokens from a plain full-sequence forward with no KV cache (the correctness oracle)."""
+        return generate_reference(self.model, prompt_ids, n)[0]

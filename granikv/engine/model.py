@@ -1,0 +1,258 @@
+"""Llama / Qwen2 decoder with random seeded weights and tensor parallelism (nano-vllm style).
+
+Only the shape matters for measurement, so weights are drawn from a seeded generator on the
+target device (no hub, no downloads). Every weight is drawn whole from a generator seeded by
+(seed, parameter name) and then sliced for this TP rank, so TP=1 and TP=n hold the same
+model and must produce the same tokens.
+
+Attention is not computed here: each layer calls ``attn(layer, q, k, v)`` on an object the
+caller passes in (the runner's KV-cache attention, or the no-cache causal reference), so the
+same weights serve the engine and the correctness oracle.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from granikv.config import ModelConfig
+
+
+class Attention(Protocol):
+    """attn(layer, q [n, Hq_local, D], k [n, Hkv_local, D], v [n, Hkv_local, D]) -> o [n, Hq_local, D]."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class TPGroup:
+    """This process's place in the tensor-parallel group (size 1 = no torch.distributed)."""
+
+    def __init__(self, size: int = 1):
+        self.size = size
+        if size > 1:
+            if not dist.is_initialized():
+                raise RuntimeError(f"tp={size} needs torch.distributed: launch with "
+                                   f"`torchrun --nproc_per_node={size} ...` (gloo on CPU, nccl on GPU)")
+            if dist.get_world_size() != size:
+                raise ValueError(f"config error at `tp`: tp={size} but the process group has "
+                                 f"{dist.get_world_size()} ranks; set tp to the torchrun world size")
+        self.rank = dist.get_rank() if size > 1 else 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate each rank's ``x [..., n]`` along the last dim -> ``[..., n * size]``."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+
+def _seeded(shape: tuple[int, ...], std: float, seed: int, name: str, device, dtype) -> torch.Tensor:
+    """Whole weight ``shape`` ~ N(0, std^2) from a generator seeded by (seed, name), on ``device``."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
+    w = torch.empty(shape, device=device, dtype=torch.float32)
+    w.normal_(0.0, std, generator=g)
+    return w.to(dtype)
+
+
+def _shard(w: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
+    n = w.shape[dim] // tp.size
+    return w.narrow(dim, tp.rank * n, n).contiguous()
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with an optional fused residual add (returns (normed, new residual))."""
+
+    def __init__(self, size: int, eps: float, device, dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = y.to(x.dtype) * self.weight
+        return y if residual is None else (y, residual)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]`` (fp32), with Llama-3 rope scaling when configured."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = cfg.rope_scaling
+    if rs:
+        kind = rs.get("rope_type", rs.get("type", "llama3"))
+        if kind != "llama3":
+            raise ValueError(f"config error at `model.rope_scaling.rope_type`: '{kind}' is not supported (llama3)")
+        factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old = float(rs["original_max_position_embeddings"])
+        lo_wavelen, hi_wavelen = old / lo, old / hi
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > lo_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= hi_wavelen) & (wavelen <= lo_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv.float()
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (HF Llama / Qwen2 ``rotate_half``) from a cos/sin cache ``[max_pos, D/2]``."""
+
+    def __init__(self, cfg: ModelConfig, device):
+        super().__init__()
+        t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, rope_inv_freq(cfg).to(device))
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # positions [n]; x [n, H, D]
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP; column-parallel in, row-parallel out, all-reduce after each."""
+
+    def __init__(self, cfg: ModelConfig, idx: int, tp: TPGroup, seed: int, device, dtype):
+        super().__init__()
+        H, D, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        self.idx, self.tp = idx, tp
+        self.hq, self.hkv, self.d = hq // tp.size, hkv // tp.size, D
+        self.scale = D ** -0.5
+
+        def w(name, shape, std):
+            return _seeded(shape, std, seed, f"layers.{idx}.{name}", device, dtype)
+
+        def p(t):
+            return nn.Parameter(t, requires_grad=False)
+
+        # q/k/v drawn separately and sharded by heads, then fused: [(hq+2hkv)_local * D, H]
+        q, k, v = w("q", (hq * D, H), H ** -0.5), w("k", (hkv * D, H), H ** -0.5), w("v", (hkv * D, H), H ** -0.5)
+        self.qkv_w = p(torch.cat([_shard(q, 0, tp), _shard(k, 0, tp), _shard(v, 0, tp)]))
+        if cfg.qkv_bias:
+            qb, kb, vb = w("qb", (hq * D,), 0.02), w("kb", (hkv * D,), 0.02), w("vb", (hkv * D,), 0.02)
+            self.qkv_b = p(torch.cat([_shard(qb, 0, tp), _shard(kb, 0, tp), _shard(vb, 0, tp)]))
+        else:
+            self.qkv_b = None
+        self.o_w = p(_shard(w("o", (H, hq * D), (hq * D) ** -0.5), 1, tp))       # [H, hq_local*D]
+        gate, up = w("gate", (cfg.intermediate_size, H), H ** -0.5), w("up", (cfg.intermediate_size, H), H ** -0.5)
+        self.gate_up_w = p(torch.cat([_shard(gate, 0, tp), _shard(up, 0, tp)]))  # [2*I_local, H]
+        self.down_w = p(_shard(w("down", (H, cfg.intermediate_size), cfg.intermediate_size ** -0.5), 1, tp))
+        self.in_norm = RMSNorm(H, cfg.rms_norm_eps, device, dtype)
+        self.post_norm = RMSNorm(H, cfg.rms_norm_eps, device, dtype)
+
+    def forward(self, positions, h, residual, rope: RotaryEmbedding, attn: Attention):
+        # h, residual [n, H]
+        if residual is None:
+            residual, h = h, self.in_norm(h)
+        else:
+            h, residual = self.in_norm(h, residual)
+        n = h.shape[0]
+        qkv = F.linear(h, self.qkv_w, self.qkv_b)
+        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q = rope(positions, q.view(n, self.hq, self.d))
+        k = rope(positions, k.view(n, self.hkv, self.d))
+        o = attn(self.idx, q, k, v.reshape(n, self.hkv, self.d))             # [n, hq_local, D]
+        h = self.tp.all_reduce(F.linear(o.reshape(n, -1), self.o_w))
+        h, residual = self.post_norm(h, residual)
+        gate, up = F.linear(h, self.gate_up_w).chunk(2, dim=-1)
+        h = self.tp.all_reduce(F.linear(F.silu(gate) * up, self.down_w))
+        return h, residual
+
+
+class CausalLM(nn.Module):
+    """The decoder: vocab-parallel embedding and LM head, ``num_layers`` :class:`DecoderLayer`s."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, device, dtype):
+        super().__init__()
+        for key, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
+                       ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
+            if n % tp.size:
+                raise ValueError(f"config error at `tp`: tp={tp.size} must divide model.{key}={n} "
+                                 f"of model '{cfg.name}'")
+        self.cfg, self.tp = cfg, tp
+        self.vocab_local = cfg.vocab_size // tp.size
+        embed = _seeded((cfg.vocab_size, cfg.hidden_size), 1.0, seed, "embed", device, dtype)
+        self.embed = nn.Parameter(_shard(embed, 0, tp), requires_grad=False)            # [V_local, H]
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed
+        else:
+            head = _seeded((cfg.vocab_size, cfg.hidden_size), cfg.hidden_size ** -0.5, seed, "lm_head", device, dtype)
+            self.lm_head = nn.Parameter(_shard(head, 0, tp), requires_grad=False)      # [V_local, H]
+        del embed
+        self.rope = RotaryEmbedding(cfg, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, seed, device, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids [n] -> [n, H]; each rank holds vocab rows [rank*V_local, (rank+1)*V_local)
+        if self.tp.size == 1:
+            return F.embedding(ids, self.embed)
+        lo = self.tp.rank * self.vocab_local
+        local = ids - lo
+        mask = (local < 0) | (local >= self.vocab_local)
+        h = F.embedding(local.masked_fill(mask, 0), self.embed).masked_fill(mask.unsqueeze(-1), 0)
+        return self.tp.all_reduce(h)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
+        """ids, positions [n] -> final hidden states [n, H]."""
+        h, residual = self.embed_tokens(ids), None
+        for layer in self.layers:
+            h, residual = layer(positions, h, residual, self.rope, attn)
+        h, _ = self.norm(h, residual)
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [m, H] -> fp32 logits [m, V] (vocab shards all-gathered, identical on every rank)."""
+        return self.tp.all_gather_last(F.linear(h, self.lm_head).float())
+
+
+class CausalReference:
+    """No-cache attention over one whole sequence (the oracle): causal softmax in fp32, GQA expanded."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n, hq, d = q.shape
+        g = hq // k.shape[1]
+        kf = k.float().repeat_interleave(g, dim=1)   # [n, hq, D]
+        vf = v.float().repeat_interleave(g, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q.float(), kf) * d ** -0.5
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        o = torch.einsum("hqk,khd->qhd", s.softmax(-1), vf)
+        return o.to(q.dtype)
+
+
+@torch.inference_mode()
+def generate_reference(model: CausalLM, prompt_ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy ``n`` tokens by a full forward over the whole sequence each step (no KV cache).
+
+    Returns (tokens, logits per generated token [V] fp32). The correctness oracle.
+    """
+    dev = model.embed.device
+    seq, out, logits = list(prompt_ids), [], []
+    for _ in range(n):
+        ids = torch.tensor(seq, dtype=torch.int64, device=dev)
+        pos = torch.arange(len(seq), device=dev)
+        lg = model.logits(model(ids, pos, CausalReference())[-1:])[0]
+        tok = int(lg.argmax())
+        out.append(tok)
+        logits.append(lg)
+        seq.append(tok)
+    return out, logits

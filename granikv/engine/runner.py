@@ -1,0 +1,180 @@
+"""Prefill and decode forwards over the KV cache, with CUDA graphs for decode (SGLang-style padding).
+
+Prefill (extend): the new tokens of one or more requests as one ragged batch; each layer writes
+their K/V to the requests' slots, then ATTN's :class:`PrefillAttention` attends causally over
+each request's slots (cached prefix first). Tokens matched in the prefix index are not part of
+the batch, so they are never recomputed.
+
+Decode: one token per running request. The slot table ``rows x max_len`` (SGLang's
+req_to_token) lives on the device; each step's ``kv_indices`` is gathered from it with no host
+sync, the backend is planned once (outside any graph), then the model runs per layer. Batches
+up to ``cuda_graph_max_bs`` are padded to the next captured size (pad rows read and write one
+scratch slot) and replayed from a CUDA graph captured lazily per (padded size, backend.graph_key());
+larger batches, CPU runs and backends that declare ``graph_safe = False`` run eagerly.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+
+import torch
+
+from granikv.attention.batch import DecodeBatch
+from granikv.engine.model import CausalLM
+from granikv.engine.scheduler import PrefillChunk, Seq, Storage
+from granikv.kv import KVCache
+
+
+def graph_sizes(max_bs: int) -> list[int]:
+    """Decode batch sizes to capture (SGLang's list shape: 1, 2, 4, 8, 12, 16, 24, then every 8)."""
+    sizes = [1, 2, 4, 8, 12, 16, 24] + list(range(32, max_bs + 1, 8))
+    return sorted({s for s in sizes if s <= max_bs} | ({max_bs} if max_bs else set()))
+
+
+class _WriteThen:
+    """The model's attention hook: write this step's K/V at ``slots`` ``[n]``, then run ``attend``."""
+
+    def __init__(self, kv: KVCache, slots: torch.Tensor, attend):
+        self.kv, self.slots, self.attend = kv, slots, attend
+
+    def __call__(self, layer, q, k, v):
+        self.kv.write(layer, self.slots, k, v)
+        return self.attend.run(q, self.kv.k(layer), self.kv.v(layer))
+
+
+class ModelRunner:
+    """Runs prefill batches and decode batches of :class:`Seq` s through the model.
+
+    ``use_graphs``: capture CUDA graphs (GPU only); ``pad``: pad decode batches to captured
+    sizes (forced on with graphs; settable on CPU so the padding path is testable).
+    """
+
+    def __init__(self, model: CausalLM, kv: KVCache, storage: Storage, backend, prefill_attn,
+                 max_rows: int, max_len: int, cuda_graph_max_bs: int, use_graphs: bool, pad: bool):
+        self.model, self.kv, self.storage = model, kv, storage
+        self.backend, self.prefill_attn = backend, prefill_attn
+        self.device = kv.device
+        self.use_graphs = use_graphs and self.device.type == "cuda" and cuda_graph_max_bs > 0
+        self.pad = pad or self.use_graphs
+        self.sizes = graph_sizes(cuda_graph_max_bs) if self.pad else []
+        self.pad_row = max_rows
+        self.table = torch.zeros(max_rows + 1, max_len, dtype=torch.int64, device=self.device)  # [rows+1, max_len]
+        self.graphs: dict[tuple, tuple] = {}   # (padded bs, graph key) -> (graph, logits)
+        self.graph_pool = None
+        self.capture_s = 0.0
+        self.eager_reasons: dict[str, int] = {}
+        n = max(self.sizes, default=1)
+        self.ids_buf = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.pos_buf = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.slot_buf = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.reset()
+
+    def reset(self) -> None:
+        self.table[self.pad_row, 0] = self.storage.pad_slot
+
+    def set_row(self, s: Seq) -> None:
+        self.table[s.row, :s.slots.numel()] = s.slots
+
+    # ------------------------------------------------------------------ prefill
+    @torch.inference_mode()
+    def prefill(self, chunks: list[PrefillChunk]) -> list[int | None]:
+        """Compute the chunks' KV; returns the first output token of each chunk that ends its prompt."""
+        dev = self.device
+        ids, pos, qo, kvp, new_slots, kv_idx = [], [], [0], [0], [], []
+        for c in chunks:
+            ids.extend(c.seq.req.prompt_ids[c.start:c.end])
+            pos.append(torch.arange(c.start, c.end))
+            qo.append(qo[-1] + c.end - c.start)
+            kvp.append(kvp[-1] + c.end)
+            new_slots.append(c.seq.slots[c.start:c.end])
+            kv_idx.append(c.seq.slots[:c.end])
+        self.prefill_attn.plan(torch.tensor(qo, dtype=torch.int32, device=dev),
+                               torch.tensor(kvp, dtype=torch.int32, device=dev), torch.cat(kv_idx))
+        hook = _WriteThen(self.kv, torch.cat(new_slots), self.prefill_attn)
+        h = self.model(torch.tensor(ids, dtype=torch.int64, device=dev), torch.cat(pos).to(dev), hook)
+        last = [i for i, c in enumerate(chunks) if c.end == c.seq.prompt_len]
+        out: list[int | None] = [None] * len(chunks)
+        if last:
+            rows = torch.tensor([qo[i + 1] - 1 for i in last], device=dev)
+            toks = self.model.logits(h[rows]).argmax(-1).tolist()
+            for i, t in zip(last, toks):
+                out[i] = t
+        return out
+
+    # ------------------------------------------------------------------ decode
+    def _decode_batch(self, seqs: list[Seq], bs: int) -> tuple[DecodeBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DecodeBatch of ``bs`` rows (pad rows after the real ones), with ids, positions and table rows [bs]."""
+        dev, npad = self.device, bs - len(seqs)
+        pos = [s.prompt_len + len(s.output_ids) - 1 for s in seqs] + [0] * npad
+        rows = [s.row for s in seqs] + [self.pad_row] * npad
+        ids = [s.output_ids[-1] for s in seqs] + [0] * npad
+        lens = [p + 1 for p in pos]
+        indptr = [0]
+        for n in lens:
+            indptr.append(indptr[-1] + n)
+        lens_d = torch.tensor(lens, dtype=torch.int64, device=dev)
+        indptr_d = torch.tensor(indptr, dtype=torch.int64, device=dev)
+        rows_d = torch.tensor(rows, dtype=torch.int64, device=dev)
+        nnz = indptr[-1]
+        r = torch.repeat_interleave(rows_d, lens_d, output_size=nnz)
+        col = torch.arange(nnz, device=dev) - torch.repeat_interleave(indptr_d[:-1], lens_d, output_size=nnz)
+        batch = DecodeBatch(
+            kv_indptr=indptr_d, kv_indices=self.table[r, col],
+            prefix_lens=[s.req.shared_len for s in seqs] + [0] * npad,
+            prefix_ids=[s.prefix_id for s in seqs] + [-1] * npad,
+            hot_starts=[s.hot_start for s in seqs] + [-1] * npad)
+        pos_d = torch.tensor(pos, dtype=torch.int64, device=dev)
+        return batch, torch.tensor(ids, dtype=torch.int64, device=dev), pos_d, rows_d
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Seq]) -> tuple[list[int], dict]:
+        """One token for each seq; returns (tokens, info: padded size, graph used, eager reason)."""
+        n = len(seqs)
+        i = bisect.bisect_left(self.sizes, n)
+        bs = self.sizes[i] if self.pad and i < len(self.sizes) else n
+        batch, ids, pos, rows = self._decode_batch(seqs, bs)
+        slots = self.table[rows, pos]                        # [bs] where this step's K/V go
+        self.backend.plan(batch)
+        info = {"padded_bs": bs, "graph": False}
+        reason = None
+        if self.use_graphs:
+            if n > self.sizes[-1]:
+                reason = "above_cuda_graph_max_bs"
+            elif not getattr(self.backend, "graph_safe", False):
+                reason = f"backend_{getattr(self.backend, 'name', '?')}_not_graph_safe"
+        if self.use_graphs and reason is None:
+            logits = self._replay(bs, ids, pos, slots)
+            info["graph"] = True
+        else:
+            if reason is not None:
+                self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
+                info["eager_reason"] = reason
+            h = self.model(ids, pos, _WriteThen(self.kv, slots, self.backend))
+            logits = self.model.logits(h)
+        return logits[:n].argmax(-1).tolist(), info
+
+    def _replay(self, bs: int, ids, pos, slots) -> torch.Tensor:
+        self.ids_buf[:bs].copy_(ids)
+        self.pos_buf[:bs].copy_(pos)
+        self.slot_buf[:bs].copy_(slots)
+        key = (bs, self.backend.graph_key() if hasattr(self.backend, "graph_key") else None)
+        if key not in self.graphs:
+            t0 = time.perf_counter()
+            hook = _WriteThen(self.kv, self.slot_buf[:bs], self.backend)
+            ids_v, pos_v = self.ids_buf[:bs], self.pos_buf[:bs]
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up outside the graph (writes the same K/V twice)
+                self.model.logits(self.model(ids_v, pos_v, hook))
+            torch.cuda.current_stream().wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.graph_pool):
+                out = self.model.logits(self.model(ids_v, pos_v, hook))
+            if self.graph_pool is None:
+                self.graph_pool = g.pool()
+            self.graphs[key] = (g, out)
+            torch.cuda.synchronize()
+            self.capture_s += time.perf_counter() - t0
+        g, out = self.graphs[key]
+        g.replay()
+        return out

@@ -1,0 +1,259 @@
+"""Continuous batching over the storage layer: arrivals, admission, chunked prefill, decode, frees.
+
+Policy (SGLang's defaults where it has them): first-come first-served admission of arrived
+requests while the KV budget and ``max_running_requests`` allow; prefill has priority over
+decode; a prefill step takes chunks of ready requests up to ``chunked_prefill_size`` tokens
+(a long prompt is split, its next chunk continues first); otherwise one decode step runs for
+every request whose prefill is done.
+
+KV accounting: a request's shared prefix goes through :class:`granikv.kv.Admission` (index hit,
+new HOT slab, or COLD fallback, evicting LRU prefixes under pressure); its own tokens (suffix
+and all but the last output token) are COLD slots reserved at admission, so a running request
+never needs more memory and nothing is ever preempted. A request whose cached prefix tokens
+are still being prefilled by another request waits until that KV is written (SGLang defers
+such in-batch prefix sharers the same way); it never reads unwritten KV.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from granikv.config import HardwareConfig
+from granikv.kv import Admission, ColdPool, HotPool, KVCache, Placement, PrefixIndex
+from granikv.request import Request
+
+
+@dataclass
+class Seq:
+    """A request in flight: its slots, prefill progress and generated tokens.
+
+    ``slots`` ``[prompt_len + output_len - 1]`` global KV slot ids: the shared prefix first,
+    then the request's own COLD slots (``own``). KV for positions ``[0, computed)`` is written.
+    """
+
+    req: Request
+    order: int
+    slots: torch.Tensor | None = None
+    own: torch.Tensor | None = None
+    placement: Placement | None = None
+    cached_len: int = 0
+    computed: int = 0
+    prefix_id: int = -1
+    hot_start: int = -1
+    row: int = -1
+    waits_on: list["Seq"] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.req.prompt_ids)
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.computed >= self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return len(self.output_ids) >= self.req.output_len
+
+    @property
+    def where(self) -> str:
+        return self.placement.where if self.placement is not None else "none"
+
+    def ready(self) -> bool:
+        """True when every cached prefix token this request reads has been written."""
+        self.waits_on = [w for w in self.waits_on
+                         if w.computed < min(self.cached_len, w.req.shared_len)]
+        return not self.waits_on
+
+
+@dataclass
+class PrefillChunk:
+    """Positions ``[start, end)`` of ``seq``'s prompt computed in one prefill step."""
+
+    seq: Seq
+    start: int
+    end: int
+
+
+class Storage:
+    """The KV pools, prefix index and admission over one :class:`KVCache`'s buffers (reset per run)."""
+
+    def __init__(self, kv: KVCache, enable_hot: bool):
+        self.kv = kv
+        self.enable_hot = enable_hot
+        self.reset()
+
+    def reset(self) -> None:
+        kv = self.kv
+        kv.hot_pool = HotPool(kv.hot_tokens, offset=0)
+        kv.cold_pool = ColdPool(kv.capacity_tokens - kv.hot_tokens, offset=kv.hot_tokens, device=kv.device)
+        self.index = PrefixIndex(kv.hot_pool, kv.cold_pool)
+        self.admission = Admission(self.index, enable_hot=self.enable_hot and kv.hot_tokens > 0)
+        self.pad_slot = int(kv.cold_pool.alloc(1)[0])  # scratch slot for CUDA-graph padding rows
+        self.peak_hot = self.peak_cold = 0
+
+    def own_capacity(self) -> int:
+        return self.kv.cold_pool.capacity - 1  # minus the pad slot
+
+    def observe(self) -> None:
+        self.peak_hot = max(self.peak_hot, self.kv.hot_pool.used_tokens)
+        self.peak_cold = max(self.peak_cold, self.kv.cold_pool.used_tokens)
+
+
+def check_fits(req: Request, storage: Storage) -> None:
+    """Raise if ``req`` could never be admitted, even into an empty cache."""
+    kv = storage.kv
+    own = len(req.prompt_ids) - req.shared_len + req.output_len - 1
+    cold = storage.own_capacity()
+    hot_ok = storage.admission.enable_hot and req.shared_len <= kv.hot_tokens
+    need_cold = own + (0 if hot_ok else req.shared_len)
+    if need_cold > cold:
+        raise ValueError(
+            f"config error at `hardware.kv_budget_tokens`: request {req.rid} needs {need_cold} COLD KV "
+            f"slots (prompt {len(req.prompt_ids)}, shared {req.shared_len}, output {req.output_len}) but the "
+            f"budget gives {kv.capacity_tokens} tokens ({cold} COLD, {kv.hot_tokens} HOT); raise the budget "
+            f"(kv_budget_tokens / mem_fraction) or shorten the workload")
+
+
+class Scheduler:
+    """Admits arrived requests, picks each step's work, records tokens and frees finished requests."""
+
+    def __init__(self, storage: Storage, hw: HardwareConfig, max_rows: int):
+        self.storage = storage
+        self.hw = hw
+        self.free_rows = deque(range(max_rows))
+        self.pending: deque[Seq] = deque()   # not yet arrived or not yet admitted, by arrival
+        self.active: list[Seq] = []          # admitted, not finished (prefilling or decoding)
+        self.done: list[Seq] = []
+        self.writers: list[Seq] = []         # admitted seqs still writing new prefix KV
+        self._class_ids: dict[int, list[tuple[tuple, int]]] = {}
+        self.admitted_rows: list[Seq] = []   # seqs admitted in the last schedule() (runner fills rows)
+
+    def add(self, seqs: list[Seq]) -> None:
+        self.pending.extend(sorted(seqs, key=lambda s: (s.req.arrival_s, s.order)))
+
+    @property
+    def idle(self) -> bool:
+        return not self.pending and not self.active
+
+    def next_arrival(self) -> float | None:
+        return self.pending[0].req.arrival_s if self.pending else None
+
+    # ------------------------------------------------------------------ admission
+    def _prefix_id(self, tokens: tuple) -> int:
+        bucket = self._class_ids.setdefault(hash(tokens), [])
+        for key, cid in bucket:
+            if key == tokens:
+                return cid
+        cid = sum(len(b) for b in self._class_ids.values())
+        bucket.append((tokens, cid))
+        return cid
+
+    def _admit(self, s: Seq) -> bool:
+        st, req = self.storage, s.req
+        index, cold = st.index, st.kv.cold_pool
+        prompt = req.prompt_ids
+        own_n = len(prompt) - req.shared_len + req.output_len - 1
+        pin = index.match(prompt[:req.shared_len]).node if req.shared_len else None
+        if pin is not None:
+            index.lock(pin)  # keep our cached prefix while making room for our own slots
+        try:
+            own = torch.empty(0, dtype=torch.int64, device=st.kv.device)
+            if own_n:
+                if cold.free_tokens < own_n:
+                    index.evict(own_n - cold.free_tokens)
+                if cold.free_tokens < own_n:
+                    return False
+                own = cold.alloc(own_n)
+            pl = None
+            if req.shared_len:
+                pl = st.admission.admit(prompt, req.shared_len)
+                if pl is None:
+                    if own_n:
+                        cold.free(own)
+                    return False
+        finally:
+            if pin is not None:
+                index.unlock(pin)
+        s.own, s.placement = own, pl
+        if pl is not None:
+            s.slots = torch.cat((pl.slots.to(own.device), own))
+            s.cached_len = s.computed = pl.new_from
+            key = tuple(prompt[:req.shared_len])
+            s.prefix_id = self._prefix_id(key)
+            runs = index.match(key).hot_runs
+            if len(runs) == 1 and runs[0][0] == 0 and runs[0][2] == req.shared_len:
+                s.hot_start = runs[0][1]
+            s.waits_on = [w for w in self.writers if w.placement.new_from < s.cached_len
+                          and w.req.prompt_ids[:s.cached_len] == prompt[:s.cached_len]]
+            if pl.new_from < req.shared_len:
+                self.writers.append(s)
+        else:
+            s.slots = own
+        s.row = self.free_rows.popleft()
+        st.observe()
+        return True
+
+    def admit_arrived(self, now: float) -> list[Seq]:
+        """FCFS admission of requests with ``arrival_s <= now``; stops at the first that does not fit."""
+        new = []
+        while (self.pending and self.pending[0].req.arrival_s <= now
+               and len(self.active) < self.hw.max_running_requests and self.free_rows):
+            s = self.pending[0]
+            if not self._admit(s):
+                break
+            self.pending.popleft()
+            self.active.append(s)
+            new.append(s)
+        return new
+
+    # ------------------------------------------------------------------ step selection
+    def prefill_chunks(self) -> list[PrefillChunk]:
+        budget, chunks = self.hw.chunked_prefill_size, []
+        for s in self.active:
+            if budget == 0:
+                break
+            if s.prefill_done or not s.ready():
+                continue
+            n = min(s.prompt_len - s.computed, budget)
+            chunks.append(PrefillChunk(s, s.computed, s.computed + n))
+            budget -= n
+        return chunks
+
+    def decode_seqs(self) -> list[Seq]:
+        return [s for s in self.active if s.prefill_done and not s.finished]
+
+    # ------------------------------------------------------------------ results
+    def after_prefill(self, chunks: list[PrefillChunk], tokens: list[int | None], now: float) -> None:
+        for c, tok in zip(chunks, tokens):
+            c.seq.computed = c.end
+            if tok is not None:  # the chunk that completes the prompt yields the first token
+                c.seq.output_ids.append(tok)
+                c.seq.token_times.append(now)
+        self.writers = [w for w in self.writers if w.computed < w.req.shared_len]
+        self._retire()
+
+    def after_decode(self, seqs: list[Seq], tokens: list[int], now: float) -> None:
+        for s, tok in zip(seqs, tokens):
+            s.output_ids.append(tok)
+            s.token_times.append(now)
+        self._retire()
+
+    def _retire(self) -> None:
+        st = self.storage
+        keep = []
+        for s in self.active:
+            if not s.finished:
+                keep.append(s)
+                continue
+            if s.own.numel():
+                st.kv.cold_pool.free(s.own)
+            if s.placement is not None:
+                st.index.unlock(s.placement.node)
+            self.free_rows.append(s.row)
+            self.done.append(s)
+        self.active = keep

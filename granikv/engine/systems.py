@@ -1,0 +1,70 @@
+"""The systems under test as compositions of storage, prefix backend and dispatch (DESIGN.md).
+
+| system          | storage                      | backend   | dispatch            |
+| sglang_default  | paged (hot_fraction 0)       | paged     | none                |
+| sglang_cascade  | paged                        | cascade   | batch-global        |
+| hydragen        | paged                        | hydragen  | none                |
+| granikv         | HOT slab + COLD (0.2)        | granikv   | per class, by table |
+
+Ablations are settings of the same parts, never new code paths: ``granikv`` with
+``dispatch=dense_only|cascade_only|paged_only``, or with ``hot_fraction=0`` (no HOT: every
+prefix takes the paged fallback).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from granikv.config import HardwareConfig, ModelConfig, SystemConfig
+
+SYSTEMS: dict[str, SystemConfig] = {
+    "sglang_default": SystemConfig(name="sglang_default", backend="paged", hot_fraction=0.0),
+    "sglang_cascade": SystemConfig(name="sglang_cascade", backend="cascade", hot_fraction=0.0),
+    "hydragen": SystemConfig(name="hydragen", backend="hydragen", hot_fraction=0.0),
+    "granikv": SystemConfig(name="granikv", backend="granikv", hot_fraction=0.2, dispatch="table"),
+}
+ABLATIONS: dict[str, SystemConfig] = {
+    "granikv_dense_only": replace(SYSTEMS["granikv"], name="granikv_dense_only", dispatch="dense_only"),
+    "granikv_cascade_only": replace(SYSTEMS["granikv"], name="granikv_cascade_only", dispatch="cascade_only"),
+    "granikv_paged_only": replace(SYSTEMS["granikv"], name="granikv_paged_only", dispatch="paged_only"),
+    "granikv_no_hot": replace(SYSTEMS["granikv"], name="granikv_no_hot", hot_fraction=0.0),
+}
+
+
+def system_config(name: str) -> SystemConfig:
+    """The preset of a system or ablation by name."""
+    table = {**SYSTEMS, **ABLATIONS}
+    if name not in table:
+        raise ValueError(f"config error at `system.name`: unknown system '{name}'; choose one of {sorted(table)}")
+    return replace(table[name])
+
+
+def validate(system: SystemConfig) -> None:
+    """Baselines run on paged storage; only the granikv backend reads HOT slabs."""
+    if system.backend != "granikv" and system.hot_fraction > 0:
+        raise ValueError(f"config error at `system.hot_fraction`: backend '{system.backend}' "
+                         f"({system.name}) runs on paged storage; set hot_fraction=0 "
+                         f"(HOT storage is only used by backend=granikv)")
+    if system.backend != "granikv" and system.dispatch != "table":
+        raise ValueError(f"config error at `system.dispatch`: dispatch applies to backend=granikv only "
+                         f"(got backend '{system.backend}')")
+
+
+def build_backend(system: SystemConfig, model: ModelConfig, hw: HardwareConfig, tp: int,
+                  device: torch.device, dtype: torch.dtype, cuda_graph: bool):
+    """The system's decode prefix backend for this TP rank's heads (ATTN's ``make_backend``).
+
+    granikv's dispatcher reads ``hardware.decision_table`` for this GPU and per-rank shape.
+    """
+    from granikv.attention.backends import make_backend
+
+    validate(system)
+    hq, hkv = model.num_heads // tp, model.num_kv_heads // tp
+    dispatcher = None
+    if system.backend == "granikv":
+        from granikv.attention.dispatch import Dispatcher
+
+        dispatcher = Dispatcher.from_hardware(hw, hq, hkv, model.head_dim, mode=system.dispatch)
+    return make_backend(system, hq, hkv, model.head_dim, device=device, dtype=dtype,
+                        dispatcher=dispatcher, cuda_graph=cuda_graph)

@@ -1,0 +1,39 @@
+"""Workloads: seeded request traces (synthetic grid, ShareGPT, multi-prefix) and arrivals.
+
+``build(cfg)`` turns a RunConfig into ``list[Request]``; ``trace_rows`` is what a cell saves
+as ``workload.jsonl``. Token ids are not stored: they are regenerated exactly from
+(``seed``, ``workload``, ``model.vocab_size``), and each row carries ``prompt_sha1`` so a
+regenerated trace can be checked against the saved one.
+"""
+from __future__ import annotations
+
+import hashlib
+
+from granikv.config import RunConfig
+from granikv.request import Request
+from granikv.workloads.multiprefix import multiprefix_requests
+from granikv.workloads.sharegpt import sharegpt_requests
+from granikv.workloads.synthetic import synthetic_requests
+
+BUILDERS = {"synthetic": synthetic_requests, "sharegpt": sharegpt_requests, "multiprefix": multiprefix_requests}
+
+
+def build(cfg: RunConfig) -> list[Request]:
+    """The cell's request trace (deterministic in cfg.seed)."""
+    w = cfg.workload
+    if w.kind not in BUILDERS:
+        raise ValueError(f"config error at `workload.kind`: '{w.kind}' not in {sorted(BUILDERS)}")
+    return BUILDERS[w.kind](w, cfg.model.vocab_size, cfg.seed)
+
+
+def prompt_sha1(ids: list[int]) -> str:
+    """Short fingerprint of a prompt's token ids."""
+    return hashlib.sha1(",".join(map(str, ids)).encode()).hexdigest()[:16]
+
+
+def trace_rows(requests: list[Request]) -> list[dict]:
+    """One row per request for ``workload.jsonl``."""
+    return [{"rid": r.rid, "arrival_s": r.arrival_s, "prompt_len": len(r.prompt_ids),
+             "shared_len": r.shared_len, "prefix_class": r.prefix_class,
+             "output_len": r.output_len, "prompt_sha1": prompt_sha1(r.prompt_ids)}
+            for r in requests]

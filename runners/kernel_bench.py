@@ -1,0 +1,448 @@
+"""Attention-layer microbenchmark: ``python -m runners.kernel_bench [hardware=h200] [overrides]``.
+
+One attention layer of a model's shape per TP rank, over shape x Lp x B x k (prefix classes) x
+backend. One folder per cell ``<results_dir>/<sweep_name>/<cell_id>/`` (granikv.rawio schema,
+kind ``kernel``): ``config.json`` (resolved config, cell, measured peaks, provenance),
+``kernel.jsonl`` (one row per backend / variant), ``metrics.json`` (the cell summary).
+
+kernel.jsonl row (decode cells ``<shape>-lp<Lp>-b<B>-k<k>``):
+  backend, time_ms (median; CUDA-graph replay on GPU when capturable, else eager), time_ms_mean,
+  time_ms_min, time_ms_eager, graph (bool), graph_error, plan_ms (host wall time of plan()),
+  flops, bytes, tflops, tbps, tflops_frac_peak, tbps_frac_peak, max_abs_err, decisions.
+metrics.json: time_ms_<backend>, fastest_backend, fastest_time_ms, dispatch_choice (granikv's
+  per-class decisions), granikv_vs_fastest (time ratio), dispatch_within_3pct, peaks.
+Layout cells ``layout-<shape>-lp<Lp>-b<B>``: variant contiguous_dense (one non-causal attention of
+  all B queries over the HOT slab view) vs paged_unique_prefill / paged_unique_decode (each request
+  its own prefix copy, page size 1); metrics: speedup_vs_paged_unique_*; with ``ncu=true`` on a GPU,
+  dram_pct / sm_pct per variant from Nsight Compute (or ncu_error when it could not run).
+Dispatch-cost cell ``dispatch_cost``: host microseconds per step for Dispatcher.choose over k
+  classes and for a whole GranikvBackend.plan() (CPU tensors).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import timeit
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from granikv import rawio
+from granikv.attention import reference as R
+from granikv.attention.backends import GranikvBackend, make_backend
+from granikv.attention.bench import Shape, attention_flops, build_cell, kv_bytes, measure_peaks, sync, time_fn
+from granikv.attention.dispatch import Dispatcher, check_table
+
+VARIANTS = ("paged", "cascade", "hydragen", "dense", "granikv_cascade", "granikv")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class BenchSpec:
+    """The resolved kernel_bench config (preset + overrides), checked before any work."""
+
+    hardware: str
+    device: str
+    dtype: str
+    shapes: list[Shape]
+    prefix_lens: list[int]
+    batches: list[int]
+    num_prefixes: list[int]
+    suffix_len: int
+    backends: list[str]
+    warmup: int
+    reps: int
+    layout_batch: int
+    layout_prefix_lens: list[int]
+    sweep_name: str = "kernel"
+    results_dir: str = "results/raw"
+    seed: int = 0
+    force: bool = False
+    time_budget_s: float = 0.0
+    cuda_graph: bool = True
+    check_error: bool = True
+    l2_flush: bool = True
+    layout: bool = True
+    ncu: bool = False
+    dispatch_cost: bool = True
+    decision_table: Optional[list] = None
+    gpu_name: Optional[str] = None
+    cells: Optional[list[str]] = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"kernel_bench: preset device '{self.device}' must be cpu or cuda")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"kernel_bench: hardware={self.hardware} needs a CUDA GPU; use hardware=cpu here")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"kernel_bench: dtype '{self.dtype}' not in {tuple(DTYPES)}")
+        bad = [b for b in self.backends if b not in VARIANTS]
+        if bad:
+            raise ValueError(f"kernel_bench.backends: {bad} not in {VARIANTS}")
+        for key in ("prefix_lens", "batches", "num_prefixes", "layout_prefix_lens"):
+            vals = getattr(self, key)
+            if not vals or any((not isinstance(v, int)) or v < 1 for v in vals):
+                raise ValueError(f"kernel_bench.{key}: must be a non-empty list of positive ints, got {vals!r}")
+        if self.suffix_len < 1 or self.layout_batch < 1 or self.reps < 1 or self.warmup < 0:
+            raise ValueError("kernel_bench: suffix_len, layout_batch, reps must be >= 1 and warmup >= 0")
+        self.decision_table = check_table(self.decision_table, "kernel_bench.decision_table") or None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def resolve(cfg: Any) -> BenchSpec:
+    """Merge the hardware preset with the overrides; load conf/hardware/<hw>.yaml's table if present."""
+    from omegaconf import OmegaConf
+
+    c = OmegaConf.to_container(cfg, resolve=True)
+    presets = c.pop("presets", {})
+    hw = c["hardware"]
+    if hw not in presets:
+        raise ValueError(f"kernel_bench.hardware: '{hw}' has no preset; choose one of {sorted(presets)}")
+    merged = dict(presets[hw])
+    for k, v in c.items():
+        if v is not None or k not in merged:
+            merged[k] = v
+    merged["shapes"] = [Shape(**s) for s in merged["shapes"]]
+    if merged.get("decision_table") is None:
+        hw_yaml = Path(__file__).resolve().parents[1] / "conf" / "hardware" / f"{hw}.yaml"
+        if hw_yaml.exists():
+            merged["decision_table"] = (OmegaConf.to_container(OmegaConf.load(hw_yaml)) or {}).get("decision_table")
+            if merged["decision_table"] is not None:
+                merged["extra"] = {"decision_table_from": str(hw_yaml.name)}
+    return BenchSpec(**merged)
+
+
+def _dispatcher(spec: BenchSpec, shape: Shape, mode: str = "table") -> Dispatcher:
+    name = spec.gpu_name or (torch.cuda.get_device_name(0) if spec.device == "cuda" else "cpu")
+    return Dispatcher(shape.hq, shape.hkv, shape.d, name, spec.decision_table, mode)
+
+
+def make_variant(spec: BenchSpec, shape: Shape, variant: str, cuda_graph: bool):
+    """A backend for one benchmark variant (granikv_cascade = granikv forced to per-class cascade)."""
+    dev, dt = spec.device, spec.torch_dtype
+    if variant in ("granikv", "granikv_cascade"):
+        disp = _dispatcher(spec, shape, "table" if variant == "granikv" else "cascade_only")
+        return GranikvBackend(shape.hq, shape.hkv, shape.d, dispatcher=disp, device=dev, dtype=dt, cuda_graph=cuda_graph)
+    return make_backend(variant, shape.hq, shape.hkv, shape.d, dev, dt, cuda_graph=cuda_graph)
+
+
+def _graph_timer(fn, device, spec):
+    """Capture ``fn`` in a CUDA graph; returns (replay callable, output) or raises."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
+def bench_decode_cell(spec: BenchSpec, shape: Shape, lp: int, b: int, k: int, peaks: dict) -> tuple[list, dict]:
+    dev = torch.device(spec.device)
+    kc, vc, batch = build_cell(shape, lp, b, k, spec.suffix_len, spec.torch_dtype, dev, spec.seed)
+    q = torch.randn(b, shape.hq, shape.d, device=dev, generator=None).to(spec.torch_dtype)
+    ref = None
+    if spec.check_error:
+        ref, _ = R.paged_decode_ref(q.float(), kc.float(), vc.float(), batch.kv_indptr, batch.kv_indices)
+    flops = attention_flops(shape, batch)
+    elt = kc.element_size()
+    rows = []
+    for variant in spec.backends:
+        be = make_variant(spec, shape, variant, cuda_graph=False)
+        t0 = time.perf_counter()
+        be.plan(batch)
+        sync(dev)
+        plan_ms = (time.perf_counter() - t0) * 1e3
+        out = be.run(q, kc, vc)
+        err = float((out.float() - ref).abs().max()) if ref is not None else None
+        eager = time_fn(lambda: be.run(q, kc, vc), dev, spec.warmup, spec.reps, spec.l2_flush)
+        row = {"backend": variant, **eager, "time_ms_eager": eager["time_ms"], "graph": False, "graph_error": None,
+               "plan_ms": plan_ms, "max_abs_err": err, "decisions": be.last_decisions}
+        if spec.device == "cuda" and spec.cuda_graph:
+            try:
+                gbe = make_variant(spec, shape, variant, cuda_graph=True)
+                gbe.plan(batch)
+                g, gout = _graph_timer(lambda: gbe.run(q, kc, vc), dev, spec)
+                g.replay()
+                sync(dev)
+                gerr = float((gout.float() - ref).abs().max()) if ref is not None else None
+                gt = time_fn(g.replay, dev, spec.warmup, spec.reps, spec.l2_flush)
+                row.update({**gt, "graph": True, "max_abs_err_graph": gerr})
+                del g, gbe
+            except Exception as e:  # noqa: BLE001 - recorded, eager time stays the measurement
+                row["graph_error"] = f"{type(e).__name__}: {e}"
+        nbytes = kv_bytes(shape, batch, be.last_decisions, elt)
+        row.update({"flops": flops, "bytes": nbytes, "tflops": flops / (row["time_ms"] * 1e-3) / 1e12,
+                    "tbps": nbytes / (row["time_ms"] * 1e-3) / 1e12})
+        row["tflops_frac_peak"] = row["tflops"] / peaks["peak_tflops"]
+        row["tbps_frac_peak"] = row["tbps"] / peaks["peak_tbps"]
+        rows.append(row)
+        del be
+    times = {r["backend"]: r["time_ms"] for r in rows}
+    # the options the dispatcher chooses between (per class): paged, per-class cascade, dense
+    options = {v: times[v] for v in ("paged", "granikv_cascade", "dense") if v in times}
+    metrics = {f"time_ms_{v}": t for v, t in times.items()}
+    fastest = min(times, key=times.get)
+    metrics.update({"fastest_backend": fastest, "fastest_time_ms": times[fastest], **peaks,
+                    "max_abs_err_max": max((r["max_abs_err"] or 0.0) for r in rows)})
+    if "granikv" in times and options:
+        best = min(options.values())
+        metrics.update({"dispatch_choice": next(r["decisions"] for r in rows if r["backend"] == "granikv"),
+                        "fastest_option": min(options, key=options.get),
+                        "granikv_vs_fastest": times["granikv"] / best,
+                        "dispatch_within_3pct": times["granikv"] <= 1.03 * best})
+    return rows, metrics
+
+
+def bench_layout_cell(spec: BenchSpec, shape: Shape, lp: int, b: int, peaks: dict) -> tuple[list, dict]:
+    """Same prefix attention from a contiguous slab vs from B private copies (paged-unique)."""
+    dev, dt = torch.device(spec.device), spec.torch_dtype
+    q = torch.randn(b, shape.hq, shape.d, device=dev).to(dt)
+    slab_k = torch.randn(lp, shape.hkv, shape.d, device=dev).to(dt)
+    slab_v = torch.randn(lp, shape.hkv, shape.d, device=dev).to(dt)
+    uk = slab_k.repeat(b, 1, 1)                        # [B*Lp, Hkv, D]: request i's copy at rows i*Lp..
+    uv = slab_v.repeat(b, 1, 1)
+    indptr = (torch.arange(b + 1, device=dev) * lp)
+    indices = torch.arange(b * lp, device=dev)
+    ref = R.attention_ref(q.float(), slab_k.float(), slab_v.float())[0] if spec.check_error else None
+    fns = layout_fns(spec, shape, q, slab_k, slab_v, uk, uv, indptr, indices)
+    tok = 2 * shape.hkv * shape.d * slab_k.element_size()
+    flops = 4 * shape.hq * shape.d * b * lp
+    rows = []
+    for name, fn in fns.items():
+        out = fn()
+        err = float((out.float() - ref).abs().max()) if ref is not None else None
+        t = time_fn(fn, dev, spec.warmup, spec.reps, spec.l2_flush)
+        nbytes = (lp if name == "contiguous_dense" else b * lp) * tok + 2 * b * shape.hq * shape.d * slab_k.element_size()
+        tf, tb = flops / (t["time_ms"] * 1e-3) / 1e12, nbytes / (t["time_ms"] * 1e-3) / 1e12
+        rows.append({"backend": name, **t, "flops": flops, "bytes": nbytes, "tflops": tf, "tbps": tb,
+                     "tflops_frac_peak": tf / peaks["peak_tflops"], "tbps_frac_peak": tb / peaks["peak_tbps"],
+                     "max_abs_err": err})
+    times = {r["backend"]: r["time_ms"] for r in rows}
+    metrics = {f"time_ms_{k}": v for k, v in times.items()}
+    for k in times:
+        if k != "contiguous_dense":
+            metrics[f"speedup_vs_{k}"] = times[k] / times["contiguous_dense"]
+    metrics.update(peaks)
+    return rows, metrics
+
+
+def layout_fns(spec, shape, q, slab_k, slab_v, uk, uv, indptr, indices) -> dict:
+    """The layout experiment's variants as zero-argument callables (planned already)."""
+    if spec.device == "cpu":
+        return {"contiguous_dense": lambda: R.attention_ref(q, slab_k, slab_v)[0],
+                "paged_unique_decode": lambda: R.paged_decode_ref(q, uk, uv, indptr, indices)[0]}
+    from granikv.attention import flashinfer_ops as fo
+
+    dt, ws = spec.torch_dtype, fo.workspace(q.device)
+    b = q.shape[0]
+    scale = R.default_scale(shape.d)
+    pre = fo.make_prefill_paged_wrapper(ws)
+    fo.plan_prefill_paged(pre, torch.arange(b + 1, dtype=torch.int32), indptr.cpu().int(), indices, shape.hq,
+                          shape.hkv, shape.d, causal=False, sm_scale=scale, q_dtype=dt, kv_dtype=dt)
+    dec = fo.make_decode_wrapper(ws, fo.use_tensor_cores(shape.hq, shape.hkv, dt))
+    fo.plan_decode(dec, indptr.cpu().int(), indices.int(), torch.ones(b, dtype=torch.int32, device=q.device),
+                   shape.hq, shape.hkv, shape.d, dt, dt, scale)
+    kv = fo.paged(uk, uv)
+    return {"contiguous_dense": lambda: fo.single_prefill(q, slab_k, slab_v, scale)[0],
+            "paged_unique_prefill": lambda: pre.run(q, kv),
+            "paged_unique_decode": lambda: dec.run(q, kv)}
+
+
+NCU_METRICS = ("gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,"
+               "sm__throughput.avg.pct_of_peak_sustained_elapsed")
+
+
+def ncu_layout(spec: BenchSpec, shape: Shape, lp: int, b: int) -> dict:
+    """DRAM / SM throughput % of the longest kernel of each layout variant, via ncu (GPU host only)."""
+    import csv
+    import io
+    import shutil
+
+    exe = shutil.which("ncu") or next((p for p in ("/usr/local/cuda/bin/ncu",) if os.path.exists(p)), None)
+    if exe is None:
+        return {"ncu_error": "ncu not found on PATH or /usr/local/cuda/bin"}
+    out = {}
+    for variant in ("contiguous_dense", "paged_unique_prefill", "paged_unique_decode"):
+        cmd = [exe, "--csv", "--profile-from-start", "off", "--metrics", NCU_METRICS, sys.executable, "-m",
+               "runners.kernel_bench", "--probe", shape.name, str(shape.hq), str(shape.hkv), str(shape.d), str(lp), str(b),
+               variant, spec.dtype]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            lines = [ln for ln in p.stdout.splitlines() if ln.startswith('"')]
+            recs = list(csv.DictReader(io.StringIO("\n".join(lines))))
+            by_kernel: dict[str, dict] = {}
+            for r in recs:
+                by_kernel.setdefault(r["ID"], {"name": r.get("Kernel Name", "")})[r["Metric Name"]] = \
+                    float(r["Metric Value"].replace(",", ""))
+            if not by_kernel:
+                out[variant] = {"ncu_error": (p.stderr or p.stdout)[-500:]}
+                continue
+            top = max(by_kernel.values(), key=lambda m: m.get("gpu__time_duration.sum", 0.0))
+            out[variant] = {"kernel": top["name"][:120],
+                            "dram_pct": top.get("dram__throughput.avg.pct_of_peak_sustained_elapsed"),
+                            "sm_pct": top.get("sm__throughput.avg.pct_of_peak_sustained_elapsed")}
+        except Exception as e:  # noqa: BLE001 - a measurement that could not be made is reported as such
+            out[variant] = {"ncu_error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def dispatch_cost_rows(spec: BenchSpec) -> tuple[list, dict]:
+    """Host cost of dispatch per step (k classes), and of a whole plan() on CPU tensors."""
+    shape = spec.shapes[0]
+    rows = []
+    for k in (1, 4, 16, 64):
+        d = Dispatcher(shape.hq, shape.hkv, shape.d, "bench", [{"meff_min": 256, "choice": "dense"},
+                                                               {"choice": "cascade"}])
+        classes = [(2048, 256 // k)] * k
+        choose = d.choose
+
+        def step():
+            return [choose(lp, bc) for lp, bc in classes]
+
+        n = 20000
+        us = min(timeit.repeat(step, number=n, repeat=5)) / n * 1e6
+        rows.append({"backend": "dispatcher", "num_classes": k, "us_per_step": us})
+        be = GranikvBackend(shape.hq, shape.hkv, shape.d, dispatcher=d)
+        _, _, batch = build_cell(shape, 64, 256, k, 4, torch.float32, torch.device("cpu"))
+        m = 20
+        us_plan = min(timeit.repeat(lambda: be.plan(batch), number=m, repeat=3)) / m * 1e6
+        rows.append({"backend": "granikv_plan_cpu", "num_classes": k, "batch": 256, "us_per_step": us_plan})
+    metrics = {f"{r['backend']}_k{r['num_classes']}_us": r["us_per_step"] for r in rows}
+    metrics["dispatcher_under_5us"] = all(r["us_per_step"] < 5 for r in rows if r["backend"] == "dispatcher")
+    return rows, metrics
+
+
+def cell_list(spec: BenchSpec) -> list[tuple[str, tuple]]:
+    cells = []
+    for s in spec.shapes:
+        for lp in spec.prefix_lens:
+            for b in spec.batches:
+                for k in spec.num_prefixes:
+                    if k <= b:
+                        cells.append((f"{s.name}-lp{lp}-b{b}-k{k}", ("decode", s, lp, b, k)))
+        if spec.layout:
+            for lp in spec.layout_prefix_lens:
+                cells.append((f"layout-{s.name}-lp{lp}-b{spec.layout_batch}", ("layout", s, lp, spec.layout_batch)))
+    if spec.dispatch_cost:
+        cells.append(("dispatch_cost", ("dispatch",)))
+    if spec.cells:
+        unknown = set(spec.cells) - {c for c, _ in cells}
+        if unknown:
+            raise ValueError(f"kernel_bench.cells: {sorted(unknown)} are not cells of this grid")
+        cells = [c for c in cells if c[0] in spec.cells]
+    return cells
+
+
+def run(spec: BenchSpec) -> dict:
+    """Run every cell not yet done; returns {'done': [...], 'skipped': [...], 'failed': [...], 'left': [...]}."""
+    t_start = time.monotonic()
+    root = Path(spec.results_dir) / spec.sweep_name
+    cells = cell_list(spec)
+    todo = [(cid, c) for cid, c in cells if spec.force or rawio.cell_state(root / cid) != "done"]
+    todo_ids = {cid for cid, _ in todo}
+    report = {"done": [], "skipped": [c for c, _ in cells if c not in todo_ids], "failed": [], "left": []}
+    if not todo:
+        return report
+    torch.manual_seed(spec.seed)
+    peaks = measure_peaks(torch.device(spec.device), spec.torch_dtype)
+    prov = rawio.provenance()
+    spec_d = asdict(spec)
+    for cid, c in todo:
+        if spec.time_budget_s and time.monotonic() - t_start > spec.time_budget_s:
+            report["left"].append(cid)
+            continue
+        d = root / cid
+        cell = {"cell_id": cid, "kind": c[0]}
+        if c[0] == "decode":
+            cell.update({"shape": asdict(c[1]), "prefix_len": c[2], "batch": c[3], "num_prefixes": c[4],
+                         "suffix_len": spec.suffix_len})
+        elif c[0] == "layout":
+            cell.update({"shape": asdict(c[1]), "prefix_len": c[2], "batch": c[3]})
+        rawio.write_json(d / "config.json", {**spec_d, "cell": cell, "peaks": peaks, "provenance": prov})
+        try:
+            if c[0] == "decode":
+                rows, metrics = bench_decode_cell(spec, c[1], c[2], c[3], c[4], peaks)
+            elif c[0] == "layout":
+                rows, metrics = bench_layout_cell(spec, c[1], c[2], c[3], peaks)
+                if spec.ncu and spec.device == "cuda":
+                    metrics["ncu"] = ncu_layout(spec, c[1], c[2], c[3])
+            else:
+                rows, metrics = dispatch_cost_rows(spec)
+            rawio.write_jsonl(d / "kernel.jsonl", rows)
+            rawio.write_json(d / "metrics.json", {"cell_id": cid, **metrics})
+            if (d / "failure.json").exists():
+                (d / "failure.json").unlink()
+            report["done"].append(cid)
+        except Exception as e:  # noqa: BLE001 - a failed cell is recorded and the sweep goes on
+            rawio.write_json(d / "failure.json", {"cell_id": cid, "error": f"{type(e).__name__}: {e}",
+                                                  "traceback": traceback.format_exc(), "config": cell})
+            report["failed"].append(cid)
+        finally:
+            if spec.device == "cuda":
+                torch.cuda.empty_cache()
+    return report
+
+
+def summary(spec: BenchSpec) -> str:
+    """One line per decode cell: each backend's time and the dispatcher's standing."""
+    root = Path(spec.results_dir) / spec.sweep_name
+    lines = [f"{'cell':34s} " + " ".join(f"{b[:10]:>10s}" for b in spec.backends) + "  fastest     gk/best"]
+    for cid, c in cell_list(spec):
+        if c[0] != "decode" or rawio.cell_state(root / cid) != "done":
+            continue
+        m = rawio.read_json(root / cid / "metrics.json")
+        ts = " ".join(f"{m.get(f'time_ms_{b}', float('nan')):10.4f}" for b in spec.backends)
+        lines.append(f"{cid:34s} {ts}  {m['fastest_backend'][:10]:10s} {m.get('granikv_vs_fastest', float('nan')):7.3f}")
+    return "\n".join(lines)
+
+
+def _main(cfg) -> None:
+    spec = resolve(cfg)
+    rep = run(spec)
+    root = Path(spec.results_dir) / spec.sweep_name
+    print(summary(spec))
+    print(f"kernel_bench: wrote {len(rep['done'])} cells, {len(rep['failed'])} failed, "
+          f"{len(rep['skipped'])} already done, {len(rep['left'])} left for the next run (time budget) -> {root}")
+
+
+def probe(argv: list[str]) -> None:
+    """``--probe name hq hkv d lp b variant dtype``: run one layout variant inside a profiler range (for ncu)."""
+    name, hq, hkv, d, lp, b, variant, dtype = argv
+    shape = Shape(name, int(hq), int(hkv), int(d))
+    lp, b = int(lp), int(b)
+    spec = BenchSpec(hardware="probe", device="cuda", dtype=dtype, shapes=[shape], prefix_lens=[lp], batches=[b],
+                     num_prefixes=[1], suffix_len=1, backends=["paged"], warmup=0, reps=1, layout_batch=b,
+                     layout_prefix_lens=[lp])
+    dev, dt = torch.device("cuda"), DTYPES[dtype]
+    q = torch.randn(b, shape.hq, shape.d, device=dev).to(dt)
+    sk = torch.randn(lp, shape.hkv, shape.d, device=dev).to(dt)
+    sv = torch.randn(lp, shape.hkv, shape.d, device=dev).to(dt)
+    fn = layout_fns(spec, shape, q, sk, sv, sk.repeat(b, 1, 1), sv.repeat(b, 1, 1), torch.arange(b + 1, device=dev) * lp,
+                    torch.arange(b * lp, device=dev))[variant]
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--probe":
+        probe(sys.argv[2:])
+        sys.exit(0)
+    import hydra
+
+    hydra.main(config_path="../conf", config_name="kernel_bench", version_base=None)(_main)()

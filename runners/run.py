@@ -1,0 +1,260 @@
+"""Run one measured cell (``-m``: a sweep of cells) and write its raw-result folder.
+
+    python -m runners.run model=tiny hardware=cpu system=granikv workload=synthetic \
+        workload.prefix_len=256 workload.batch=8 workload.output_len=16 \
+        sweep_name=smoke results_dir=/tmp/r
+    python -m runners.run -m sweep=synthetic_grid          # every cell of a paper experiment
+
+A cell goes to ``<results_dir>/<sweep_name>/<cell_id>/`` where ``cell_id`` is the cell's
+Hydra overrides, sorted and sanitised (``system=granikv,workload.prefix_len=256``; keys that
+do not change the measurement - results_dir, sweep_name, sweep, launcher, force - are left
+out). It holds config.json (resolved config + provenance), workload.jsonl (the trace; token
+ids regenerate from seed + workload), requests.jsonl (with output_ids), steps.jsonl (the
+dispatch trace), metrics.json (written last: its presence marks the cell done) and
+telemetry files when available (nvml.csv, trace.json, profile.nsys-rep). A cell with
+metrics.json is skipped unless ``force=true``. A failing cell writes failure.json (error,
+traceback, config) and a sweep goes on. Bad input fails before any work with the key named.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import re
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Callable, Optional
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from granikv import metrics as metrics_mod
+from granikv import rawio, workloads
+from granikv.config import RunConfig, register, to_run_config
+from granikv.request import Request
+
+register()
+
+EXCLUDED_KEYS = {"results_dir", "sweep_name", "sweep", "launcher", "force"}
+MAX_ID = 200
+
+
+class ConfigError(ValueError):
+    """Bad input found before any work; the message names the key and the fix."""
+
+
+# ---------------------------------------------------------------- cell identity
+def cell_id(overrides: list[str]) -> str:
+    """Sorted, sanitised overrides -> a folder name (``default`` when there are none)."""
+    parts = []
+    for o in overrides:
+        key, _, val = o.partition("=")
+        key = key.lstrip("+~")
+        if key in EXCLUDED_KEYS or key.startswith("hydra.") or key.startswith("hydra/"):
+            continue
+        val = re.sub(r"[\[\]\s'\"]", "", val).replace(",", "-")
+        parts.append(re.sub(r"[^A-Za-z0-9._=+-]", "_", f"{key}={val}"))
+    cid = ",".join(sorted(parts)) or "default"
+    if len(cid) > MAX_ID:
+        cid = cid[: MAX_ID - 13] + "~" + hashlib.sha1(cid.encode()).hexdigest()[:12]
+    return cid
+
+
+def safe_name(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._=+,-]", "_", s) or "adhoc"
+
+
+# ---------------------------------------------------------------- checks before work
+def resolve(cfg: DictConfig | RunConfig) -> RunConfig:
+    """Composed config -> RunConfig, with B as the concurrency cap (max_running_requests)."""
+    try:
+        rc = cfg if isinstance(cfg, RunConfig) else to_run_config(cfg)
+    except ValueError as e:  # dataclass __post_init__ checks, or OmegaConf type errors
+        raise ConfigError(str(e)) from e
+    hw = dataclasses.replace(rc.hardware, max_running_requests=min(rc.hardware.max_running_requests,
+                                                                   rc.workload.batch))
+    return dataclasses.replace(rc, hardware=hw)
+
+
+def kv_budget(rc: RunConfig) -> Optional[int]:
+    """KV tokens this cell will have, when knowable before start-up (else None)."""
+    hw, m = rc.hardware, rc.model
+    if hw.kv_budget_tokens is not None:
+        return int(hw.kv_budget_tokens)
+    if hw.kv_budget_per_model:
+        if m.name not in hw.kv_budget_per_model:
+            raise ConfigError(f"config error at `hardware.kv_budget_per_model`: preset '{hw.name}' has no "
+                              f"budget for model '{m.name}' (has {sorted(hw.kv_budget_per_model)}); add one")
+        return int(hw.kv_budget_per_model[m.name])
+    if hw.gpu_memory_gib > 0:  # SGLang's rule, weights ~ 2 B/param for bf16, split over TP
+        params = m.num_layers * (4 * m.hidden_size * m.num_heads * m.head_dim // 2 + 3 * m.hidden_size
+                                 * m.intermediate_size) + 2 * m.vocab_size * m.hidden_size
+        free = hw.gpu_memory_gib * 2**30 * hw.mem_fraction - 2 * params / rc.tp - 0.5 * 2**30
+        per_tok = 2 * m.num_layers * (m.num_kv_heads // rc.tp) * m.head_dim * 2
+        return max(int(free // per_tok), 0)
+    return None
+
+
+def check_workload(rc: RunConfig, requests: list[Request]) -> None:
+    """Requests that could never be served: longer than the model's context or the KV budget."""
+    if not requests:
+        raise ConfigError("config error at `workload`: the workload has no requests "
+                          "(workload.batch / workload.num_requests must be >= 1)")
+    longest = max(requests, key=lambda r: len(r.prompt_ids) + r.output_len)
+    need = len(longest.prompt_ids) + longest.output_len
+    if need > rc.model.max_position_embeddings:
+        raise ConfigError(f"config error at `workload.prefix_len`: request {longest.rid} needs {need} positions "
+                          f"(prompt {len(longest.prompt_ids)} + output {longest.output_len}) but model "
+                          f"'{rc.model.name}' has max_position_embeddings={rc.model.max_position_embeddings}; "
+                          "shorten prefix_len / suffix_len / output_len")
+    budget = kv_budget(rc)
+    if budget is not None and need > budget:
+        raise ConfigError(f"config error at `hardware.kv_budget_tokens`: request {longest.rid} needs {need} KV "
+                          f"tokens (prompt {len(longest.prompt_ids)} + output {longest.output_len}) but hardware "
+                          f"'{rc.hardware.name}' gives model '{rc.model.name}' (tp={rc.tp}) a budget of {budget}; "
+                          "shorten the workload (workload.prefix_len / suffix_len / output_len) or raise the budget")
+
+
+def check_writable(results_dir: str) -> Path:
+    """The results folder exists or can be created, and a file can be written there."""
+    root = Path(results_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write_probe.{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"config error at `results_dir`: '{results_dir}' is not writable ({e.strerror}); "
+                          "pass results_dir=<a folder you can write>") from e
+    return root
+
+
+# ---------------------------------------------------------------- one cell
+def default_engine(rc: RunConfig):
+    from granikv.engine.engine import Engine
+
+    return Engine(rc)
+
+
+def _request_rows(requests: list[Request], records) -> list[dict]:
+    by_rid = {r.rid: r for r in requests}
+    rows = []
+    for rec in records:
+        req = by_rid.get(rec.rid)
+        t = rec.token_times_s
+        rows.append({"rid": rec.rid, "arrival_s": rec.arrival_s, "first_token_s": t[0] if t else None,
+                     "finish_s": t[-1] if t else None, "prompt_len": rec.prompt_len,
+                     "output_len": len(rec.output_ids), "shared_len": req.shared_len if req else None,
+                     "cached_len": rec.cached_len, "prefix_class": rec.prefix_class,
+                     "prefix_where": rec.prefix_where, "warmup": rec.warmup, "output_ids": rec.output_ids,
+                     "token_times_s": t, **({"extra": rec.extra} if rec.extra else {})})
+    return rows
+
+
+def _engine_stats(stats: dict) -> dict:
+    """Engine stats merged into metrics.json (dispatch_counts is recomputed from steps)."""
+    return {k: v for k, v in stats.items() if k != "dispatch_counts"}
+
+
+def run_cell(cfg: DictConfig | RunConfig, overrides: list[str], multirun: bool = False,
+             engine_factory: Callable[[RunConfig], object] = default_engine) -> Path:
+    """Run (or skip) one cell; return its folder. Config errors raise ConfigError before any
+    work in a single run; in a sweep they are written as failure.json like any failure."""
+    root = check_writable(str(cfg.results_dir))
+    cell = root / safe_name(str(cfg.sweep_name)) / cell_id(overrides)
+    try:
+        rc = resolve(cfg)
+    except ConfigError as e:
+        if not multirun:
+            raise
+        _fail(cell, e, {"cell_kind": "serving", "cell": {"cell_id": cell.name, "overrides": list(overrides)}},
+              kind="config_error")
+        return cell
+    if rawio.cell_state(cell) == "done" and not rc.force:
+        print(f"[runners.run] skip (metrics.json exists; force=true reruns): {cell}")
+        return cell
+    config = {**dataclasses.asdict(rc), "cell_kind": "serving",
+              "cell": {"cell_id": cell.name, "overrides": list(overrides)}}
+    try:
+        requests = workloads.build(rc)
+        check_workload(rc, requests)
+    except ConfigError as e:
+        if not multirun:
+            raise
+        _fail(cell, e, config, kind="config_error")
+        return cell
+    from granikv.telemetry import ENV_GUARD, nsys_command, nsys_path
+
+    if rc.nsys and nsys_path() and not os.environ.get(ENV_GUARD):
+        cell.mkdir(parents=True, exist_ok=True)
+        cmd = nsys_command(cell, overrides, nsys_path())
+        print(f"[runners.run] nsys: {' '.join(cmd)}")
+        subprocess.run(cmd, env={**os.environ, ENV_GUARD: "1"}, check=False)
+        return cell
+    try:
+        _measure(rc, cell, config, requests, engine_factory)
+    except Exception as e:  # noqa: BLE001 - recorded in failure.json; the sweep goes on
+        _fail(cell, e, config)
+        if not multirun:
+            raise
+    return cell
+
+
+def _fail(cell: Path, e: BaseException, config: dict, kind: str = "exception") -> None:
+    rawio.write_json(cell / "failure.json", {
+        "error": f"{type(e).__name__}: {e}", "kind": kind,
+        "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
+        "config": config, "provenance": rawio.provenance()})
+    print(f"[runners.run] FAILED {cell}: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], engine_factory) -> None:
+    from tqdm import tqdm
+
+    from granikv.telemetry import NvmlSampler, StepProfiler, nsys_path
+
+    for stale in ("metrics.json", "failure.json"):
+        (cell / stale).unlink(missing_ok=True)
+    rawio.write_json(cell / "config.json", {**config, "provenance": rawio.provenance()})
+    rawio.write_jsonl(cell / "workload.jsonl", workloads.trace_rows(requests))
+    engine = engine_factory(rc)
+    prof = StepProfiler(cell / "trace.json", rc.profile_steps, cuda=rc.hardware.device == "cuda")
+    total = sum(r.output_len for r in requests)
+    with tqdm(total=total, unit="tok", desc=cell.name[:48], mininterval=0.5, leave=False) as bar, \
+            NvmlSampler(cell / "nvml.csv", enabled=rc.nvml) as nvml:
+        def on_step(step: dict) -> None:
+            if step.get("kind") == "decode":
+                bar.update(int(step.get("num_tokens", step.get("batch_size", 0))))
+            prof.on_step(step)
+
+        result = engine.run(requests, on_step=on_step)
+        prof.finish()
+    rawio.write_jsonl(cell / "requests.jsonl", _request_rows(requests, result.records))
+    rawio.write_jsonl(cell / "steps.jsonl", result.steps)
+    m = metrics_mod.summarize(result.records, result.steps)
+    telemetry = {**nvml.summary(), **prof.summary(),
+                 "nsys_note": ("captured (profile.nsys-rep)" if os.environ.get("GRANIKV_IN_NSYS")
+                               else "nsys not on PATH; not captured" if rc.nsys and not nsys_path() else None)}
+    rawio.write_json(cell / "metrics.json", {**_engine_stats(result.stats), **m, "telemetry": telemetry})
+    tput = m["output_throughput_tok_s"]
+    print(f"[runners.run] wrote {cell} ({m['num_requests']} requests, "
+          f"{'n/a' if tput is None or math.isnan(tput) else f'{tput:.1f}'} output tok/s)")
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    hc = HydraConfig.get()
+    try:
+        run_cell(cfg, list(hc.overrides.task), multirun=hc.mode == RunMode.MULTIRUN)
+    except ConfigError as e:
+        print(f"[runners.run] {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

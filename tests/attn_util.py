@@ -1,0 +1,48 @@
+"""Shared builders for the attention tests: random KV caches and DecodeBatches with prefix classes."""
+from __future__ import annotations
+
+import torch
+
+from granikv.attention.batch import DecodeBatch
+
+
+def make_step(seed: int, hkv: int, d: int, class_lps: list[int], class_sizes: list[int], hot: list[bool],
+              n_noprefix: int = 0, max_suffix: int = 9, dtype=torch.float32, device="cpu"):
+    """A random cache [C, Hkv, D] and a DecodeBatch: class c has class_sizes[c] requests sharing a
+    class_lps[c]-token prefix, stored as one HOT run (hot[c]) or as scattered slots; every request
+    then has 1..max_suffix own slots (ragged). ``n_noprefix`` requests have no prefix."""
+    g = torch.Generator().manual_seed(seed)
+    hot_total = sum(lp for lp, h in zip(class_lps, hot) if h) + 7
+    n_req = sum(class_sizes) + n_noprefix
+    cold_need = sum(lp for lp, h in zip(class_lps, hot) if not h) + n_req * (max_suffix + 20)
+    cap = hot_total + cold_need
+    k = torch.randn(cap, hkv, d, generator=g).to(dtype)
+    v = torch.randn(cap, hkv, d, generator=g).to(dtype)
+    cold = (hot_total + torch.randperm(cold_need, generator=g)).tolist()
+    hot_pos = 3
+    indptr, indices, plens, pids, hstarts = [0], [], [], [], []
+    reqs = []
+    for c, (lp, bc, h) in enumerate(zip(class_lps, class_sizes, hot)):
+        if h:
+            slots, hs = list(range(hot_pos, hot_pos + lp)), hot_pos
+            hot_pos += lp
+        else:
+            slots, hs = [cold.pop() for _ in range(lp)], -1
+        reqs += [(c, lp, hs, slots)] * bc
+    reqs += [(-1, 0, -1, [])] * n_noprefix
+    order = torch.randperm(len(reqs), generator=g).tolist()   # classes interleaved in the batch
+    for i in order:
+        pid, lp, hs, slots = reqs[i]
+        ns = int(torch.randint(1, max_suffix + 1, (1,), generator=g))
+        own = [cold.pop() for _ in range(ns)]
+        indices += slots + own
+        indptr.append(len(indices))
+        plens.append(lp)
+        pids.append(pid)
+        hstarts.append(hs)
+    batch = DecodeBatch(torch.tensor(indptr, device=device), torch.tensor(indices, device=device), plens, pids, hstarts)
+    return k.to(device), v.to(device), batch
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))

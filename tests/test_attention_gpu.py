@@ -1,0 +1,123 @@
+"""FlashInfer (GPU) paths vs the torch reference. Run on the GPU host: pytest -m gpu tests/test_attention*.py"""
+import pytest
+import torch
+
+from attn_util import make_step, rel_err
+from granikv.attention import reference as R
+
+pytestmark = pytest.mark.gpu
+
+
+def _fi_ok():
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import flashinfer  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+needs_fi = pytest.mark.skipif(not _fi_ok(), reason="needs CUDA and flashinfer")
+MIXED = [{"lp_max": 64, "choice": "paged"}, {"meff_min": 64, "choice": "dense"}, {"choice": "cascade"}]
+SHAPES = [(32, 8, 128), (20, 4, 128), (8, 8, 128)]
+
+
+def _backend(name, hq, hkv, d, cuda_graph=False):
+    from types import SimpleNamespace
+
+    from granikv.attention.backends import make_backend
+    from granikv.attention.dispatch import Dispatcher
+
+    disp = Dispatcher(hq, hkv, d, "test", MIXED) if name == "granikv" else None
+    return make_backend(SimpleNamespace(backend=name, dispatch="table", tensor_core_decode="auto"), hq, hkv, d,
+                        "cuda", torch.bfloat16, dispatcher=disp, cuda_graph=cuda_graph)
+
+
+def _ref(q, k, v, batch):
+    return R.paged_decode_ref(q.float(), k.float(), v.float(), batch.kv_indptr, batch.kv_indices)[0]
+
+
+@needs_fi
+@pytest.mark.parametrize("name", ["paged", "cascade", "dense", "hydragen", "granikv"])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("layout", ["one_class", "mixed"])
+def test_backend_matches_reference(name, shape, layout):
+    hq, hkv, d = shape
+    if layout == "one_class":
+        k, v, batch = make_step(1, hkv, d, [1000], [16], [True], dtype=torch.bfloat16, device="cuda")
+    else:
+        k, v, batch = make_step(2, hkv, d, [700, 33, 300, 90], [9, 2, 1, 20], [True, True, False, True],
+                                n_noprefix=3, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(batch.batch_size, hq, d, device="cuda").bfloat16()
+    be = _backend(name, hq, hkv, d)
+    be.plan(batch)
+    out = be.run(q, k, v)
+    assert rel_err(out, _ref(q, k, v, batch)) <= 2e-2, be.last_decisions
+
+
+@needs_fi
+@pytest.mark.parametrize("name", ["paged", "cascade", "dense", "hydragen", "granikv"])
+def test_cuda_graph_replay_after_replan(name):
+    hq, hkv, d = 32, 8, 128
+    k, v, batch = make_step(3, hkv, d, [512], [8], [True], dtype=torch.bfloat16, device="cuda")
+    be = _backend(name, hq, hkv, d, cuda_graph=True)
+    q = torch.randn(batch.batch_size, hq, d, device="cuda").bfloat16()
+    be.plan(batch)
+    key = be.graph_key()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        be.run(q, k, v)               # warm-up / JIT outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = be.run(q, k, v)
+    # same structure, new data: one more suffix slot per request is NOT the same key in general,
+    # so re-plan the same layout with fresh K/V and queries
+    k.copy_(torch.randn_like(k))
+    v.copy_(torch.randn_like(v))
+    q.copy_(torch.randn_like(q))
+    be.plan(batch)
+    assert be.graph_key() == key
+    g.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, _ref(q, k, v, batch)) <= 2e-2
+
+
+@needs_fi
+def test_prefill_matches_reference():
+    from granikv.attention.prefill import PrefillAttention
+
+    hq, hkv, d = 32, 8, 128
+    C = 4096
+    k = torch.randn(C, hkv, d, device="cuda").bfloat16()
+    v = torch.randn(C, hkv, d, device="cuda").bfloat16()
+    perm = torch.randperm(C, device="cuda")
+    qo = torch.tensor([0, 100, 101, 400], device="cuda")
+    kvp = torch.tensor([0, 900, 1901, 2200], device="cuda")       # cached prefixes 800, 1000, 0
+    kvi = perm[:2200]
+    q = torch.randn(400, hq, d, device="cuda").bfloat16()
+    pa = PrefillAttention(hq, hkv, d, "cuda", torch.bfloat16)
+    pa.plan(qo, kvp, kvi)
+    out = pa.run(q, k, v)
+    ref, _ = R.prefill_ref(q.float(), k.float(), v.float(), qo, kvp, kvi)
+    assert rel_err(out, ref) <= 2e-2
+
+
+@needs_fi
+def test_flashinfer_merge_and_lse_base_match_reference():
+    from granikv.attention import flashinfer_ops as fo
+
+    q = torch.randn(64, 32, 128, device="cuda").bfloat16()
+    k = torch.randn(3000, 8, 128, device="cuda").bfloat16()
+    v = torch.randn(3000, 8, 128, device="cuda").bfloat16()
+    oa, la = fo.single_prefill(q, k[:1000], v[:1000], R.default_scale(128))
+    ob, lb = fo.single_prefill(q, k[1000:], v[1000:], R.default_scale(128))
+    ra, rla = R.attention_ref(q, k[:1000], v[:1000])
+    assert (la - rla).abs().max() < 2e-2                 # base-2 LSE on both sides
+    om, lm = fo.merge_state(oa, la, ob, lb)
+    ro, rl = R.attention_ref(q.float(), k.float(), v.float())
+    assert rel_err(om, ro) <= 2e-2 and (lm - rl).abs().max() < 2e-2
+    fo.merge_state_in_place(oa, la, ob, lb)
+    assert rel_err(oa, ro) <= 2e-2
