@@ -32,10 +32,12 @@ LPS = (512, 1024, 2048, 4096, 8192, 16384)      # headline Lp sweep (the grid ad
 GRID_B = (8, 32, 128, 256)                       # Tables 6-8
 SHAREGPT_B = (256, 512, 1024)                    # B=256 headline; B up to 1024 (Tables 9-11, B.2)
 # keys that tell repetitions of one configuration apart, never two configurations
-META_KEYS = ("rep", "seed", "sweep_name", "results_dir", "force", "profile_steps", "nvml", "nsys")
+META_KEYS = ("rep", "seed", "sweep_name", "results_dir", "force", "profile_steps", "nvml", "nsys", "cell_kind")
+META_PREFIXES = ("cell.", "provenance.")  # cell id / overrides: one per folder, never a config
 SHORT = {"model.name": "model", "tp": "tp", "workload.prefix_len": "Lp", "workload.batch": "B",
          "workload.num_prefixes": "k", "hardware.name": "hardware", "workload.kind": "workload"}
 THROUGHPUT = "output_throughput_tok_s"
+NULL = "<null>"  # stands for a missing config value in group keys (pandas drops NaN keys otherwise)
 
 
 def with_derived(cells: pd.DataFrame) -> pd.DataFrame:
@@ -56,8 +58,10 @@ def with_derived(cells: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def config_label(model: str, tp) -> str:
-    """``llama3_8b TP=1``: one model/TP configuration, as the tables name it."""
+def config_label(model, tp) -> str | None:
+    """``llama3_8b TP=1``: one model/TP configuration, as the tables name it (None if unknown)."""
+    if model is None or tp is None or (isinstance(tp, float) and math.isnan(tp)) or model != model:
+        return None
     return f"{model} TP={int(tp)}"
 
 
@@ -126,7 +130,7 @@ def select(df: pd.DataFrame, selectors: dict[str, str]) -> pd.DataFrame:
 
 def identity(df: pd.DataFrame, config_cols: Iterable[str]) -> list[str]:
     """Columns that identify a configuration (config keys present in ``df``, minus META_KEYS)."""
-    return sorted(c for c in config_cols if c in df.columns and c not in META_KEYS)
+    return sorted(c for c in config_cols if c in df.columns and c not in META_KEYS and not c.startswith(META_PREFIXES))
 
 
 def aggregate(df: pd.DataFrame, keys: list[str], metric: str) -> pd.DataFrame:
@@ -135,7 +139,7 @@ def aggregate(df: pd.DataFrame, keys: list[str], metric: str) -> pd.DataFrame:
     if df.empty or metric not in df.columns:
         return pd.DataFrame(columns=cols)
     d = df[keys + [metric]].copy()
-    d[keys] = d[keys].astype(object).where(d[keys].notna(), "<null>")
+    d[keys] = d[keys].astype(object).where(d[keys].notna(), NULL)
     g = d.groupby(keys, dropna=False, sort=True)[metric]
     out = pd.DataFrame({"mean": g.mean(), "sd": g.std(ddof=1), "min": g.min(), "max": g.max(), "n": g.count()})
     return out.reset_index()[cols]
@@ -178,7 +182,7 @@ def show(v) -> str:
 
 def fmt(x, nd: int = 2) -> str:
     """Fixed formatting: '' for missing, ints as ints, floats with ``nd`` decimals."""
-    if x is None or (isinstance(x, float) and not np.isfinite(x)) or x is pd.NA:
+    if x is None or (isinstance(x, float) and not np.isfinite(x)) or x is pd.NA or x == NULL:
         return ""
     if isinstance(x, (bool, np.bool_)):
         return "yes" if x else "no"

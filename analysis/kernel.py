@@ -5,7 +5,7 @@ Per kernel row (fields ``k.<name>`` in the kernels frame) we read the time (``ti
 ``mean_ms`` / ``median_ms`` / ``ms``, or ``time_us``), and where the row gives them the work done
 (``flops``) and HBM traffic (``bytes``): achieved TFLOP/s and TB/s, arithmetic intensity, and
 the roofline bound class against the measured peaks (row ``peak_tflops`` / ``peak_tbps``, else
-the cell's ``hardware.peak_tflops`` / ``hardware.peak_tbps``): ``compute`` when the intensity is
+the cell's ``peaks.*`` from runners.kernel_bench, else ``hardware.peak_*``): ``compute`` when the intensity is
 at or above the ridge point, else ``memory``. Rows without flops/bytes or without peaks are
 shown with those columns blank ("not measured"), never estimated.
 
@@ -18,21 +18,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.common import (NOT_MEASURED, aggregate, config_label, geomean, placeholder_figure, plt, save_figure,
+from analysis.common import (NOT_MEASURED, NULL, aggregate, config_label, geomean, placeholder_figure, plt, save_figure,
                              select, sort_rows, write_table)
 from analysis.load import Results
 
 NAME = "kernel"
 TIME_FIELDS = (("k.time_ms", 1.0), ("k.mean_ms", 1.0), ("k.median_ms", 1.0), ("k.ms", 1.0), ("k.time_us", 1e-3))
-MEASURES = ("flops", "bytes", "hbm_bytes", "tflops", "tbps", "peak_tflops", "peak_tbps")
-MEASURE_SUFFIXES = ("_ms", "_us", "_s", "_tflops", "_tbps", "_gbps", "_pct")
-
-
-def is_measure(col: str) -> bool:
-    name = col[2:] if col.startswith("k.") else col
-    return name in MEASURES or name.endswith(MEASURE_SUFFIXES)
-
-
 def _first(df: pd.DataFrame, names: tuple[str, ...]) -> pd.Series:
     out = pd.Series(np.nan, index=df.index, dtype=float)
     for n in names:
@@ -56,8 +47,8 @@ def kernel_frame(res: Results) -> pd.DataFrame:
     k["tflops"] = flops / (t * 1e-3) / 1e12
     k["tbps"] = nbytes / (t * 1e-3) / 1e12
     k["intensity"] = flops / nbytes
-    k["peak_tflops"] = _first(k, ("k.peak_tflops", "hardware.peak_tflops")).where(lambda s: s > 0)
-    k["peak_tbps"] = _first(k, ("k.peak_tbps", "hardware.peak_tbps")).where(lambda s: s > 0)
+    k["peak_tflops"] = _first(k, ("k.peak_tflops", "peaks.peak_tflops", "hardware.peak_tflops")).where(lambda s: s > 0)
+    k["peak_tbps"] = _first(k, ("k.peak_tbps", "peaks.peak_tbps", "hardware.peak_tbps")).where(lambda s: s > 0)
     ridge = k["peak_tflops"] / k["peak_tbps"]
     k["bound"] = np.where(k["intensity"].isna() | ridge.isna(), None,
                           np.where(k["intensity"] >= ridge, "compute", "memory"))
@@ -67,11 +58,15 @@ def kernel_frame(res: Results) -> pd.DataFrame:
     return k
 
 
+# what tells two kernel measurements apart (runners.kernel_bench: cell kind decode | layout |
+# dispatch, the head shape, Lp, B, k; per row the backend / layout variant and dispatch classes)
+DESCRIBE = ("provenance.gpu_name", "config", "cell.kind", "cell.shape.name", "cell.prefix_len", "cell.batch",
+            "cell.num_prefixes", "k.backend", "k.num_classes", "k.batch")
+
+
 def describe_columns(res: Results, k: pd.DataFrame) -> list[str]:
-    """What tells two kernel measurements apart: GPU, model/TP, and the row's non-measure fields."""
-    row_fields = [c for c in res.kernel_columns if not is_measure(c) and c in k.columns
-                  and c not in ("k.rep", "k.iter", "k.repeat")]
-    return [c for c in ("provenance.gpu_name", "config") if c in k.columns] + row_fields
+    """The DESCRIBE columns present in the kernels frame."""
+    return [c for c in DESCRIBE if c in k.columns and k[c].notna().any()]
 
 
 def kernel_speedup(k: pd.DataFrame, keys: list[str], num_sel: dict, base_over: dict) -> tuple[float, int]:
@@ -100,7 +95,7 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     for col in ("tflops", "tbps", "intensity", "peak_tflops", "peak_tbps", "pct_of_roof"):
         agg = agg.merge(aggregate(k, keys, col)[keys + ["mean"]].rename(columns={"mean": col}), on=keys, how="left")
     b = k[keys + ["bound"]].copy()
-    b[keys] = b[keys].astype(object).where(b[keys].notna(), "<null>")
+    b[keys] = b[keys].astype(object).where(b[keys].notna(), NULL)
     agg = agg.merge(b.drop_duplicates(keys), on=keys, how="left")
     agg = agg.rename(columns={"mean": "time_ms_mean", "sd": "time_ms_sd", "min": "time_ms_min", "max": "time_ms_max"})
     agg["bound"] = agg["bound"].fillna(NOT_MEASURED)
@@ -121,8 +116,7 @@ def roofline(t: pd.DataFrame, keys: list[str], out: Path) -> None:
     if d.empty:
         placeholder_figure("kernel_roofline", out, "kernel rows carry no flops/bytes: roofline not measured")
         return
-    label_cols = [c for c in keys if c not in ("provenance.gpu_name", "config") and d[c].astype(str).nunique() > 1]
-    hue = label_cols[0] if label_cols else None
+    hue = "k.backend" if "k.backend" in d.columns else None
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for lab, g in (d.groupby(hue, sort=True) if hue else [("kernel", d)]):
         ax.scatter(g["intensity"], g["tflops"], label=str(lab), s=22)
@@ -142,10 +136,12 @@ def roofline(t: pd.DataFrame, keys: list[str], out: Path) -> None:
     save_figure(fig, "kernel_roofline", out)
 
 
-# the paper's storage-layout comparison: the fixed dense prefix kernel on the unique
-# paged-equivalent layout (prefix re-read B times) vs on the contiguous HOT slab
-LAYOUT_NUM = {"k.layout": "=paged_unique", "k.batch": "=256", "k.prefix_len": "=max"}
-LAYOUT_BASE = {"k.layout": "=hot"}
+# the paper's storage-layout comparison: the fixed dense prefix kernel (non-causal prefill) on
+# the unique paged-equivalent layout (each request its own prefix copy, re-read B times) vs on
+# the contiguous HOT slab (runners.kernel_bench layout cells; B=256 on the GPU preset)
+LAYOUT_NUM = {"cell.kind": "=layout", "k.backend": "=paged_unique_prefill", "cell.batch": "=256",
+              "cell.prefix_len": "=max"}
+LAYOUT_BASE = {"k.backend": "=contiguous_dense"}
 
 
 def layout_speedup(res: Results) -> tuple[float, int]:
