@@ -23,6 +23,7 @@ from analysis.load import Results
 from analysis.profiler import trace_frame
 
 NAME = "amdahl"
+FIGURES = (NAME,)
 PAPER_S = 15.6
 CELL = {"workload.kind": "=synthetic", "workload.num_prefixes": "=1", "workload.prefix_len": "=8192",
         "workload.batch": "=256"}

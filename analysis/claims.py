@@ -303,6 +303,21 @@ def _num(x: str) -> float | None:
         return None
 
 
+def other_tp_note(ctx: Context, c: pd.Series, sel: dict, base: dict) -> str:
+    """Where the paper's TP was not measured but another TP was: our number there, as information
+    (no verdict: a different parallel configuration is a different measurement)."""
+    relaxed = {k: v for k, v in sel.items() if k != "tp"}
+    df = ctx.frame("cells")
+    there = select(df, relaxed) if not df.empty else df
+    if there.empty or "tp" not in there.columns:
+        return ""
+    o = STATISTICS[c["statistic"]](ctx, c, relaxed, base)
+    if _missing(o.value):
+        return ""
+    tps = ", ".join(str(int(t)) for t in sorted(there["tp"].dropna().unique()))
+    return f"; for information only, measured at TP={tps}: {o.shown} on {', '.join(o.gpus)} (no verdict)"
+
+
 def evaluate(res: Results, claims: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per claim: the claim's columns plus ``ours``, ``ours_shown``, ``n``, ``our_hardware``,
     ``verdict``, ``why``."""
@@ -310,12 +325,15 @@ def evaluate(res: Results, claims: pd.DataFrame | None = None) -> pd.DataFrame:
     ctx = Context(res)
     rows = []
     for _, c in claims.iterrows():
-        o = STATISTICS[c["statistic"]](ctx, c, parse_selectors(c["selectors"]), parse_selectors(c["baseline"]))
+        sel, base = parse_selectors(c["selectors"]), parse_selectors(c["baseline"])
+        o = STATISTICS[c["statistic"]](ctx, c, sel, base)
         v = verdict(c["check"], _num(c["paper_value"]), o.value, paper_hi=_num(c["paper_value_hi"]),
                     better=c["better"] or None, ratio=c["unit"] == "x")
+        why = o.why if v == NOT_MEASURED else ""
+        if v == NOT_MEASURED and "tp" in sel and c["frame"] == "cells":
+            why += other_tp_note(ctx, c, sel, base)
         rows.append({**c.to_dict(), "ours": o.value, "ours_shown": o.shown if v != NOT_MEASURED else "",
-                     "n": o.n, "our_hardware": ", ".join(o.gpus), "verdict": v,
-                     "why": o.why if v == NOT_MEASURED else ""})
+                     "n": o.n, "our_hardware": ", ".join(o.gpus), "verdict": v, "why": why})
     return pd.DataFrame(rows)
 
 

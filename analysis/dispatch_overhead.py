@@ -21,6 +21,7 @@ from analysis.common import NOT_MEASURED, placeholder_figure, plt, save_figure, 
 from analysis.load import Results, load_steps
 
 NAME = "dispatch_overhead"
+FIGURES = (NAME,)
 SELECT = {"sweep_name": "~dispatch_overhead", "kind": "=serving"}
 
 

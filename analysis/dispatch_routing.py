@@ -12,11 +12,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.common import (GRID_B, LPS, NOT_MEASURED, aggregate, paired, placeholder_figure, plt, save_figure,
+from analysis.common import (GRID_B, LPS, NOT_MEASURED, aggregate, placeholder_figure, plt, save_figure, show,
                              select, sort_rows, with_derived, write_table)
 from analysis.load import Results
 
 NAME = "dispatch_routing"
+FIGURES = (NAME,)
 SELECT = {"workload.kind": "=synthetic", "workload.num_prefixes": "=1", "instrumented": "=False"}
 PAPER_THRESHOLD = 1024  # A100 Msat (Sec. 3); hardware-specific
 
@@ -76,9 +77,9 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     for (cfg, lp), g in m.groupby(["config", "workload.prefix_len"], sort=True):
         g = g.sort_values("meff")
         if g["dense_fraction"].notna().any():
-            a1.plot(g["meff"], g["dense_fraction"], marker="o", label=f"{cfg}, Lp={lp}")
+            a1.plot(g["meff"], g["dense_fraction"], marker="o", label=f"{cfg}, Lp={show(lp)}")
         if g["tpot_dense_over_cascade"].notna().any():
-            a2.plot(g["meff"], g["tpot_dense_over_cascade"], marker="o", label=f"{cfg}, Lp={lp}")
+            a2.plot(g["meff"], g["tpot_dense_over_cascade"], marker="o", label=f"{cfg}, Lp={show(lp)}")
     for ax, yl in ((a1, "share of steps routed to dense"), (a2, "TPOT dense-only / cascade-only")):
         ax.axvline(PAPER_THRESHOLD, color="grey", ls="--", lw=0.8, label="paper's A100 threshold")
         ax.set_xscale("log", base=2)

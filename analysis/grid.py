@@ -17,6 +17,7 @@ from analysis.load import Results
 from analysis.plots import lines_vs, ratio_heatmaps
 
 NAME = "grid"
+FIGURES = ("grid_ratio_heatmap", "grid_throughput")
 SELECT = {"workload.kind": "=synthetic", "workload.num_prefixes": "=1"}
 
 

@@ -15,6 +15,7 @@ from analysis.load import Results
 from analysis.plots import lines_vs
 
 NAME = "headline"
+FIGURES = ("headline_throughput", "headline_ratio")
 SELECT = {"workload.kind": "=sharegpt", "workload.batch": "=256", "workload.num_prefixes": "=1"}
 DIGITS = {"mean": 1, "sd": 1, "min": 1, "max": 1, "tpot_p50_ms": 2, "ttft_p50_ms": 1}
 

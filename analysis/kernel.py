@@ -23,6 +23,7 @@ from analysis.common import (NOT_MEASURED, NULL, aggregate, config_label, geomea
 from analysis.load import Results
 
 NAME = "kernel"
+FIGURES = ("kernel_roofline",)
 TIME_FIELDS = (("k.time_ms", 1.0), ("k.mean_ms", 1.0), ("k.median_ms", 1.0), ("k.ms", 1.0), ("k.time_us", 1e-3))
 def _first(df: pd.DataFrame, names: tuple[str, ...]) -> pd.Series:
     out = pd.Series(np.nan, index=df.index, dtype=float)

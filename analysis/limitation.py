@@ -15,6 +15,7 @@ from analysis.headline import DIGITS
 from analysis.load import Results
 
 NAME = "limitation"
+FIGURES = (NAME,)
 SELECT = {"workload.prefix_len": "=512", "workload.batch": ">=256", "workload.num_prefixes": "=1"}
 
 

@@ -17,6 +17,7 @@ from analysis.headline import DIGITS
 from analysis.load import Results
 
 NAME = "multiprefix"
+FIGURES = (NAME,)
 SELECT = {"workload.kind": "=multiprefix"}
 
 

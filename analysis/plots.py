@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from analysis.common import NOT_MEASURED, placeholder_figure, plt, save_figure
+from analysis.common import NOT_MEASURED, SHORT, placeholder_figure, plt, save_figure, show
 
 sns.set_theme(style="whitegrid", context="paper")
 
@@ -17,17 +17,26 @@ def _facets(df: pd.DataFrame, facet: list[str]) -> list[tuple[str, pd.DataFrame]
         return []
     if not facet:
         return [("", df)]
-    return [(", ".join(f"{k}={v}" for k, v in zip(facet, key if isinstance(key, tuple) else (key,))), g)
+    return [(", ".join(f"{SHORT.get(k, k)}={show(v)}" for k, v in zip(facet, key if isinstance(key, tuple) else (key,))), g)
             for key, g in df.groupby(facet, sort=True)]
 
 
+def _int_labels(grid: pd.DataFrame) -> pd.DataFrame:
+    fix = lambda v: int(v) if isinstance(v, (float, np.floating)) and float(v).is_integer() else v  # noqa: E731
+    grid.index = [fix(v) for v in grid.index]
+    grid.columns = [fix(v) for v in grid.columns]
+    return grid
+
+
 def ratio_heatmaps(table: pd.DataFrame, name: str, out: Path, rows: str, cols: str, facet: list[str],
-                   value: str = "ratio_vs_sglang_default", systems=("granikv",), title: str = "") -> None:
-    """One heatmap per (facet, system) of ``value`` over ``rows`` x ``cols``; unmeasured cells blank."""
-    df = table[(table["status"] == "measured") & table["system"].isin(systems)]
-    df = df[df[value].notna()] if value in df.columns else df.iloc[0:0]
+                   value: str = "ratio_vs_sglang_default", systems=("granikv",), title: str = "",
+                   labels: tuple[str, str] = ("Lp", "B")) -> None:
+    """One heatmap per (facet, system) of ``value`` over ``rows`` x ``cols``, drawn over the whole
+    expected grid: cells not measured stay blank (never interpolated)."""
+    df = table[table["system"].isin(systems)] if not table.empty else table
+    measured = df[(df["status"] == "measured") & df[value].notna()] if value in df.columns else df.iloc[0:0]
     panels = [(f"{lab}{', ' if lab else ''}{s}", g[g["system"] == s]) for lab, g in _facets(df, facet)
-              for s in systems if (g["system"] == s).any()]
+              for s in systems if ((measured["system"] == s) & measured.index.isin(g.index)).any()]
     if not panels:
         placeholder_figure(name, out, f"no measured cells with {value}")
         return
@@ -36,12 +45,19 @@ def ratio_heatmaps(table: pd.DataFrame, name: str, out: Path, rows: str, cols: s
     nrow = int(np.ceil(n / ncol))
     fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.4 * nrow), squeeze=False)
     for ax, (lab, g) in zip(axes.flat, panels):
-        grid = g.pivot_table(index=rows, columns=cols, values=value, aggfunc="mean").sort_index(ascending=False)
+        g = g.assign(_v=pd.to_numeric(g[value], errors="coerce"))
+        grid = g.pivot_table(index=rows, columns=cols, values="_v", aggfunc="mean", dropna=False)
+        grid = _int_labels(grid.sort_index(ascending=False))
         sns.heatmap(grid, annot=True, fmt=".2f", cmap="RdBu", center=1.0, cbar=False, ax=ax)
         ax.set_title(lab, fontsize=8)
+        ax.set_ylabel(labels[0])
+        ax.set_xlabel(labels[1])
+        ax.grid(False)
+        ax.tick_params(axis="y", rotation=0)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
-    fig.suptitle(title or f"{value} ({NOT_MEASURED} cells blank)")
+    fig.suptitle(title or value)
+    fig.text(0.5, -0.02, f"blank: {NOT_MEASURED}", ha="center", fontsize=7)
     fig.tight_layout()
     save_figure(fig, name, out)
 
@@ -67,7 +83,7 @@ def lines_vs(table: pd.DataFrame, name: str, out: Path, x: str, facet: list[str]
         ax.set_xscale("log", base=2)
         if logy:
             ax.set_yscale("log")
-        ax.set_xlabel(x)
+        ax.set_xlabel(SHORT.get(x, x))
         ax.set_ylabel(ylabel)
         ax.set_title(lab, fontsize=8)
         ax.legend(fontsize=7)

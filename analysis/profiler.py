@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import lru_cache
 from pathlib import Path
 
 import pandas as pd
@@ -22,12 +23,20 @@ from analysis.common import (NOT_MEASURED, PAPER_CONFIG_LABELS, identity, placeh
 from analysis.load import Results
 
 NAME = "profiler"
+FIGURES = (NAME,)
 ATTENTION_KERNEL = re.compile(r"Decode|Prefill|MergeState|merge_state|[Aa]ttention|[Cc]ascade|flash", re.ASCII)
 ANNOTATION = "prefix_attention"
 
 
 def trace_times(path: Path) -> dict[str, float]:
-    """``{kernel_ms, attention_ms, source}`` of one torch.profiler trace (see the module docstring)."""
+    """``{kernel_ms, attention_ms, source}`` of one torch.profiler trace (see the module docstring);
+    parsed once per file version (traces are large and several modules read them)."""
+    st = Path(path).stat()
+    return dict(_trace_times(str(path), st.st_mtime_ns, st.st_size))
+
+
+@lru_cache(maxsize=256)
+def _trace_times(path: str, mtime_ns: int, size: int) -> dict[str, float]:
     with open(path) as f:
         trace = json.load(f)
     events = trace.get("traceEvents", trace if isinstance(trace, list) else [])

@@ -24,14 +24,10 @@ def run(results: str | Path = "results/raw", out: str | Path = "results", only: 
     """Regenerate everything; returns {"tables": [...], "figures": [...], "claims": DataFrame | None}."""
     out = Path(out)
     res = load_results(results)
-    figures = only != "tables"
-    before = set((out / "figures").glob("*.png")) if (out / "figures").exists() else set()
-    tables = []
     for m in MODULES:
-        m.build(res, out, figures=figures)
-        tables.append(m.NAME)
-    figs = sorted(p.stem for p in (out / "figures").glob("*.png")) if figures and (out / "figures").exists() else \
-        sorted(p.stem for p in before)
+        m.build(res, out, figures=only != "tables")
+    tables = [m.NAME for m in MODULES]
+    figs = [f for m in MODULES for f in m.FIGURES]
     ev = None
     if only != "figures":
         from analysis.report import write_report

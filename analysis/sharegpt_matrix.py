@@ -14,9 +14,10 @@ import seaborn as sns
 from analysis.common import LPS, PAPER_CONFIG_LABELS, SHAREGPT_B, plt, rename_short, save_figure, system_table, write_table
 from analysis.headline import DIGITS
 from analysis.load import Results
-from analysis.plots import ratio_heatmaps
+from analysis.plots import _int_labels, ratio_heatmaps
 
 NAME = "sharegpt_matrix"
+FIGURES = ("sharegpt_ratio_heatmap", "sharegpt_throughput_heatmap")
 SELECT = {"workload.kind": "=sharegpt", "workload.num_prefixes": "=1"}
 
 
@@ -41,7 +42,9 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
         for ax, c in zip(axes.flat, cfgs):
             grid = g[g["config"] == c].pivot_table(index="workload.prefix_len", columns="workload.batch",
                                                    values="mean", aggfunc="mean").sort_index(ascending=False)
-            sns.heatmap(grid, annot=True, fmt=".0f", cmap="viridis", cbar=False, ax=ax)
+            sns.heatmap(_int_labels(grid), annot=True, fmt=".0f", cmap="viridis", cbar=False, ax=ax)
+            ax.set_ylabel("Lp")
+            ax.set_xlabel("B")
             ax.set_title(f"{c}: GraniKV tok/s", fontsize=8)
         fig.tight_layout()
         save_figure(fig, "sharegpt_throughput_heatmap", out)

@@ -28,6 +28,7 @@ def test_every_module_writes_table_and_figures(empty_out):
     assert len(r["figures"]) >= len(MODULES)
     for f in r["figures"]:
         assert (out / "figures" / f"{f}.png").exists() and (out / "figures" / f"{f}.pdf").exists()
+    assert {p.stem for p in (out / "figures").glob("*.png")} == set(r["figures"])  # each module declares its figures
 
 
 def test_nothing_is_invented(empty_out):

@@ -3,7 +3,6 @@ loading, schema errors naming file and field, failures listed, every module, det
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import subprocess
