@@ -2,12 +2,12 @@
 ``kernel.jsonl`` rows) as a table and a roofline plot.
 
 Per kernel row (fields ``k.<name>`` in the kernels frame) we read the time (``time_ms``, else
-``mean_ms`` / ``median_ms`` / ``ms``, or ``time_us``), and where the row gives them the work done
-(``flops``) and HBM traffic (``bytes``): achieved TFLOP/s and TB/s, arithmetic intensity, and
-the roofline bound class against the measured peaks (row ``peak_tflops`` / ``peak_tbps``, else
-the cell's ``peaks.*`` from runners.kernel_bench, else ``hardware.peak_*``): ``compute`` when the intensity is
-at or above the ridge point, else ``memory``. Rows without flops/bytes or without peaks are
-shown with those columns blank ("not measured"), never estimated.
+``mean_ms`` / ``median_ms`` / ``ms``, or ``time_us``) and, where the row gives them, the work done
+(``flops``) and HBM traffic (``bytes``): achieved TFLOP/s and TB/s, their fractions of the
+measured peaks (row ``peak_*``, else the cell's ``peaks.*`` from runners.kernel_bench, else
+``hardware.peak_*``), and arithmetic intensity. ``bound`` is the resource the kernel uses the
+larger fraction of (``compute`` or ``memory``): a measured utilisation, not a model. Rows
+without flops/bytes or peaks leave these blank ("not measured"), never estimated.
 
 Writes tables/kernel.{csv,md} and figures/kernel_roofline.{png,pdf}.
 """
@@ -34,7 +34,8 @@ def _first(df: pd.DataFrame, names: tuple[str, ...]) -> pd.Series:
 
 
 def kernel_frame(res: Results) -> pd.DataFrame:
-    """The kernels frame plus ``time_ms``, ``tflops``, ``tbps``, ``intensity``, ``peak_*``, ``bound``, ``config``."""
+    """The kernels frame plus ``time_ms``, ``tflops``, ``tbps``, ``intensity``, ``peak_*``,
+    ``pct_peak_flops``, ``pct_peak_bw``, ``bound`` and ``config``."""
     k = res.kernels.copy()
     if k.empty:
         return k
@@ -50,10 +51,10 @@ def kernel_frame(res: Results) -> pd.DataFrame:
     k["intensity"] = flops / nbytes
     k["peak_tflops"] = _first(k, ("k.peak_tflops", "peaks.peak_tflops", "hardware.peak_tflops")).where(lambda s: s > 0)
     k["peak_tbps"] = _first(k, ("k.peak_tbps", "peaks.peak_tbps", "hardware.peak_tbps")).where(lambda s: s > 0)
-    ridge = k["peak_tflops"] / k["peak_tbps"]
-    k["bound"] = np.where(k["intensity"].isna() | ridge.isna(), None,
-                          np.where(k["intensity"] >= ridge, "compute", "memory"))
-    k["pct_of_roof"] = 100 * k["tflops"] / np.minimum(k["peak_tflops"], k["intensity"] * k["peak_tbps"])
+    k["pct_peak_flops"] = 100 * k["tflops"] / k["peak_tflops"]
+    k["pct_peak_bw"] = 100 * k["tbps"] / k["peak_tbps"]
+    k["bound"] = np.where(k["pct_peak_flops"].isna() | k["pct_peak_bw"].isna(), None,
+                          np.where(k["pct_peak_flops"] >= k["pct_peak_bw"], "compute", "memory"))
     if {"model.name", "tp"} <= set(k.columns):
         k["config"] = [config_label(m, t) for m, t in zip(k["model.name"], k["tp"])]
     return k
@@ -93,7 +94,7 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
         return t
     keys = describe_columns(res, k)
     agg = aggregate(k, keys, "time_ms")
-    for col in ("tflops", "tbps", "intensity", "peak_tflops", "peak_tbps", "pct_of_roof"):
+    for col in ("tflops", "tbps", "intensity", "peak_tflops", "peak_tbps", "pct_peak_flops", "pct_peak_bw"):
         agg = agg.merge(aggregate(k, keys, col)[keys + ["mean"]].rename(columns={"mean": col}), on=keys, how="left")
     b = k[keys + ["bound"]].copy()
     b[keys] = b[keys].astype(object).where(b[keys].notna(), NULL)
@@ -101,10 +102,12 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     agg = agg.rename(columns={"mean": "time_ms_mean", "sd": "time_ms_sd", "min": "time_ms_min", "max": "time_ms_max"})
     agg["bound"] = agg["bound"].fillna(NOT_MEASURED)
     t = sort_rows(agg, keys)
-    write_table(t, NAME, out, {"time_ms_mean": 4, "time_ms_sd": 4, "time_ms_min": 4, "time_ms_max": 4, "tflops": 1,
-                               "tbps": 2, "intensity": 1, "peak_tflops": 0, "peak_tbps": 2, "pct_of_roof": 1},
+    write_table(t, NAME, out, {"time_ms_mean": 4, "time_ms_sd": 4, "time_ms_min": 4, "time_ms_max": 4, "tflops": 3,
+                               "tbps": 3, "intensity": 1, "peak_tflops": 3, "peak_tbps": 3, "pct_peak_flops": 1,
+                               "pct_peak_bw": 1},
                 title="Kernel mechanism: attention microbenchmark",
-                note="time per call (mean over repetitions); bound: roofline class from flops/bytes vs measured peaks.")
+                note="time per call (mean over repetitions); pct_peak_*: achieved share of the measured peaks; "
+                     "bound: the resource used the larger share of.")
     if not figures:
         return t
     roofline(t, keys, out)

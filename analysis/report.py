@@ -46,8 +46,9 @@ def roofline_line(res: Results, claim: pd.Series, cache: dict) -> str:
     for lab, d in (("paged-equivalent", num), ("HOT", base)):
         if not d.empty and d["bound"].notna().any():
             r = d.iloc[0]
-            parts.append(f"{lab} layout: {r['bound']}-bound at {r['tflops']:.0f} TFLOP/s, {r['tbps']:.2f} TB/s "
-                         f"(peaks {r['peak_tflops']:.0f} TFLOP/s, {r['peak_tbps']:.2f} TB/s)")
+            parts.append(f"{lab} layout at Lp={r['cell.prefix_len']:.0f}, B={r['cell.batch']:.0f}: {r['bound']}-bound, "
+                         f"{r['tflops']:.0f} TFLOP/s ({r['pct_peak_flops']:.0f}% of the measured peak) and "
+                         f"{r['tbps']:.2f} TB/s ({r['pct_peak_bw']:.0f}%)")
     label = config_label(claim["model"], int(claim["tp"])) if str(claim["tp"]).isdigit() else ""
     row = am[am["config"] == label] if not am.empty else am
     if not row.empty and np.isfinite(s):
