@@ -34,6 +34,9 @@ SHAREGPT_B = (256, 512, 1024)                    # B=256 headline; B up to 1024 
 # keys that tell repetitions of one configuration apart, never two configurations
 META_KEYS = ("rep", "seed", "sweep_name", "results_dir", "force", "profile_steps", "nvml", "nsys", "cell_kind")
 META_PREFIXES = ("cell.", "provenance.")  # cell id / overrides: one per folder, never a config
+# keys that runners.run derives from others (max_running_requests = min(preset, workload.batch)):
+# they never tell two configurations apart on their own
+IMPLIED_KEYS = ("hardware.max_running_requests",)
 SHORT = {"model.name": "model", "tp": "tp", "workload.prefix_len": "Lp", "workload.batch": "B",
          "workload.num_prefixes": "k", "hardware.name": "hardware", "workload.kind": "workload"}
 THROUGHPUT = "output_throughput_tok_s"
@@ -130,7 +133,8 @@ def select(df: pd.DataFrame, selectors: dict[str, str]) -> pd.DataFrame:
 
 def identity(df: pd.DataFrame, config_cols: Iterable[str]) -> list[str]:
     """Columns that identify a configuration (config keys present in ``df``, minus META_KEYS)."""
-    return sorted(c for c in config_cols if c in df.columns and c not in META_KEYS and not c.startswith(META_PREFIXES))
+    return sorted(c for c in config_cols if c in df.columns and c not in META_KEYS + IMPLIED_KEYS
+                  and not c.startswith(META_PREFIXES))
 
 
 def aggregate(df: pd.DataFrame, keys: list[str], metric: str) -> pd.DataFrame:

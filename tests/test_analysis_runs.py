@@ -31,8 +31,9 @@ def _run(module: str, args: list[str]) -> None:
 
 @pytest.fixture(scope="session")
 def raw(tmp_path_factory) -> Path:
-    """Raw folders from the CPU runners: 2 systems x 2 Lp (synthetic), one cell that fails its KV
-    budget check (failure.json), and three kernel-bench cells (decode, layout, dispatch cost)."""
+    """Raw folders from the CPU runners: 2 systems x 2 Lp (synthetic, B=4), GraniKV at B=2, one
+    cell that fails its KV
+    budget check (failure.json), and two kernel-bench cells (layout, dispatch cost)."""
     for mod in ("runners.run", "runners.kernel_bench"):
         if importlib.util.find_spec(mod) is None:
             pytest.skip(f"{mod} does not exist yet (helpers RUNNERS / ATTN are building it): "
@@ -40,10 +41,12 @@ def raw(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("raw")
     _run("runners.run", ["-m", *SERVING, "system=granikv,sglang_default", "workload.prefix_len=64,128",
                          "sweep_name=grid", f"results_dir={root}"])
+    _run("runners.run", [*SERVING, "system=granikv", "workload.prefix_len=64", "workload.batch=2",
+                         "sweep_name=grid", f"results_dir={root}"])
     _run("runners.run", ["-m", *SERVING, "system=granikv", "workload.prefix_len=64", "hardware.kv_budget_tokens=16",
                          "sweep_name=budget", f"results_dir={root}"])
     _run("runners.kernel_bench", ["sweep_name=kernel", f"results_dir={root}",
-                                  "cells=[layout-tiny_g4-lp64-b8,dispatch_cost,tiny_g4-lp64-b8-k1]"])
+                                  "cells=[layout-tiny_g4-lp64-b8,dispatch_cost]"])
     return root
 
 
@@ -54,7 +57,7 @@ def res(raw):
 
 def test_load_one_row_per_cell(res, raw):
     serving = res.cells[res.cells["kind"] == "serving"]
-    assert len(serving) == 4
+    assert len(serving) == 5
     assert set(serving["system.name"]) == {"granikv", "sglang_default"}
     assert set(serving["workload.prefix_len"]) == {64, 128}
     for col in ("workload.batch", "model.name", "tp", "provenance.git_commit", "provenance.gpu_name",
@@ -137,7 +140,8 @@ def test_every_module_on_runner_output(raw, tmp_path):
         assert (tmp_path / "tables" / f"{m.NAME}.csv").exists(), m.NAME
     grid = pd.read_csv(tmp_path / "tables" / "grid.csv", dtype=str, keep_default_na=False)
     got = grid[grid["status"] == "measured"]
-    assert set(zip(got["Lp"], got["system"])) == {(lp, s) for lp in ("64", "128") for s in ("granikv", "sglang_default")}
+    assert set(zip(got["Lp"], got["B"], got["system"])) == \
+        {(lp, "4", s) for lp in ("64", "128") for s in ("granikv", "sglang_default")} | {("64", "2", "granikv")}
     assert (got.loc[got["system"] == "sglang_default", "ratio_vs_sglang_default"] == "1.00").all()
     assert (got["mean"] != "").all()
     ev = r["claims"].set_index("id")
@@ -156,3 +160,43 @@ def test_tables_are_deterministic(raw, tmp_path):
     for p in sorted((tmp_path / "a" / "tables").iterdir()):
         assert p.read_bytes() == (tmp_path / "b" / "tables" / p.name).read_bytes(), p.name
     assert (tmp_path / "a" / "REPORT.md").read_text() == (tmp_path / "b" / "REPORT.md").read_text()
+
+
+def _claim(**kw) -> pd.DataFrame:
+    row = {"id": "t", "section": "test", "claim": "test", "model": "tiny", "tp": "1", "frame": "cells",
+           "selectors": "", "metric": "output_throughput_tok_s", "statistic": "ratio", "baseline": "", "check": "point",
+           "paper_value": "1.0", "paper_value_hi": "", "unit": "x", "better": "", "comparison": "", "source": "tables/grid"}
+    return pd.DataFrame([{**row, **kw}])
+
+
+def _thr(raw: Path, match: dict) -> float:
+    """Output tok/s of the one cell whose config matches, read straight from its metrics.json."""
+    from granikv.rawio import read_json
+    hits = []
+    for c in find_cells(raw):
+        if not (c / "metrics.json").exists() or not (c / "steps.jsonl").exists():
+            continue
+        cfg = read_json(c / "config.json")
+        if all(cfg[k.split(".")[0]][k.split(".")[1]] == v for k, v in match.items()):
+            hits.append(read_json(c / "metrics.json")["output_throughput_tok_s"])
+    assert len(hits) == 1, match
+    return hits[0]
+
+
+def test_claim_statistics_on_runner_output(res, raw):
+    from analysis.claims import evaluate
+    sel = "workload.kind=synthetic;model.name=tiny;tp=1;workload.prefix_len=128;workload.batch=4;system.name=granikv"
+    ev = evaluate(res, _claim(selectors=sel, baseline="system.name=sglang_default"))
+    want = _thr(raw, {"system.name": "granikv", "workload.prefix_len": 128}) / \
+        _thr(raw, {"system.name": "sglang_default", "workload.prefix_len": 128})
+    assert ev["ours"].iloc[0] == pytest.approx(want)
+    assert ev["our_hardware"].iloc[0] == "no GPU (CPU)"
+    peak = evaluate(res, _claim(selectors="workload.kind=synthetic;workload.prefix_len=64;system.name=granikv",
+                                statistic="peak_share", baseline="workload.batch=4", check="bound_ge",
+                                paper_value="0.97", unit="fraction"))
+    b4 = _thr(raw, {"system.name": "granikv", "workload.prefix_len": 64, "workload.batch": 4})
+    b2 = _thr(raw, {"system.name": "granikv", "workload.prefix_len": 64, "workload.batch": 2})
+    assert peak["ours"].iloc[0] == pytest.approx(b4 / max(b2, b4))
+    missing = evaluate(res, _claim(selectors=sel.replace("tp=1", "tp=4"), baseline="system.name=sglang_default"))
+    assert missing["verdict"].iloc[0] == "not measured"
+    assert "tp=4" in missing["why"].iloc[0] and "measured at TP=1" in missing["why"].iloc[0]
