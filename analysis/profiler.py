@@ -16,6 +16,7 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from analysis.common import (NOT_MEASURED, PAPER_CONFIG_LABELS, identity, placeholder_figure, plt, save_figure,
@@ -44,6 +45,8 @@ def _trace_times(path: str, mtime_ns: int, size: int) -> dict[str, float]:
     spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
                    if e.get("ph") == "X" and e.get("cat") == "gpu_user_annotation"
                    and str(e.get("name", "")).startswith(ANNOTATION))
+    if not kernels:  # a CPU run: torch.profiler saw no GPU kernels
+        return {"kernel_ms": float("nan"), "attention_ms": float("nan"), "source": "no GPU kernel events"}
     total = sum(e.get("dur", 0) for e in kernels) / 1e3
     if spans:
         def inside(e):
@@ -89,11 +92,12 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
              and tf[c].astype(str).nunique() > 1]
     keys = dims[:-1] + extra
     g = tf.groupby(keys + ["system"], dropna=False, sort=True)
-    t = g.agg(n=("attention_ms", "count"), attention_ms=("attention_ms", "mean"), kernel_ms=("kernel_ms", "mean"),
+    t = g.agg(n=("source", "count"), attention_ms=("attention_ms", "mean"), kernel_ms=("kernel_ms", "mean"),
               share=("share", "mean"), source=("source", "first")).reset_index()
     base = t[t["system"] == "sglang_default"][keys + ["attention_ms"]].rename(columns={"attention_ms": "_b"})
     t = t.merge(base, on=keys, how="left")
     t["default_over_system"] = t["_b"] / t["attention_ms"]
+    t["status"] = np.where(t["attention_ms"].notna(), "measured", f"{NOT_MEASURED}: trace has no GPU kernel events")
     t = sort_rows(t.drop(columns=["_b"]), keys + ["system"])
     write_table(t, NAME, out, {"attention_ms": 1, "kernel_ms": 1, "share": 3, "default_over_system": 2},
                 title="Profiler: prefix-attention kernel time (B=256, Lp=8K)",
@@ -101,9 +105,13 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
                      "default_over_system = sglang_default attention time / this system's (paper: cascade 3.66x Llama TP1, 1.24x Qwen-32B TP4).")
     if not figures:
         return t
+    m = t[t["status"] == "measured"]
+    if m.empty:
+        placeholder_figure(NAME, out, "profiler traces hold no GPU kernel events (CPU runs)")
+        return t
     fig, ax = plt.subplots(figsize=(6, 3.4))
-    labels = [f"{c}\n{s}" for c, s in zip(t["config"], t["system"])]
-    ax.barh(labels, t["attention_ms"])
+    labels = [f"{c}\n{s}" for c, s in zip(m["config"], m["system"])]
+    ax.barh(labels, m["attention_ms"])
     ax.set_xlabel("prefix-attention kernel time in window (ms)")
     fig.tight_layout()
     save_figure(fig, NAME, out)

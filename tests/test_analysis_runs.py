@@ -31,8 +31,8 @@ def _run(module: str, args: list[str]) -> None:
 
 @pytest.fixture(scope="session")
 def raw(tmp_path_factory) -> Path:
-    """Raw folders from the CPU runners: 2 systems x 2 Lp (synthetic, B=4), GraniKV at B=2, one
-    cell that fails its KV
+    """Raw folders from the CPU runners: 2 systems x 2 Lp (synthetic, B=4), GraniKV at B=2 (plain
+    and with a torch.profiler window), one cell that fails its KV
     budget check (failure.json), and two kernel-bench cells (layout, dispatch cost)."""
     for mod in ("runners.run", "runners.kernel_bench"):
         if importlib.util.find_spec(mod) is None:
@@ -41,8 +41,8 @@ def raw(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("raw")
     _run("runners.run", ["-m", *SERVING, "system=granikv,sglang_default", "workload.prefix_len=64,128",
                          "sweep_name=grid", f"results_dir={root}"])
-    _run("runners.run", [*SERVING, "system=granikv", "workload.prefix_len=64", "workload.batch=2",
-                         "sweep_name=grid", f"results_dir={root}"])
+    _run("runners.run", ["-m", *SERVING, "system=granikv", "workload.prefix_len=64", "workload.batch=2",
+                         "profile_steps=0,2", "sweep_name=grid", f"results_dir={root}"])
     _run("runners.run", ["-m", *SERVING, "system=granikv", "workload.prefix_len=64", "hardware.kv_budget_tokens=16",
                          "sweep_name=budget", f"results_dir={root}"])
     _run("runners.kernel_bench", ["sweep_name=kernel", f"results_dir={root}",
@@ -57,7 +57,8 @@ def res(raw):
 
 def test_load_one_row_per_cell(res, raw):
     serving = res.cells[res.cells["kind"] == "serving"]
-    assert len(serving) == 5
+    assert len(serving) == 6
+    assert (serving["profile_steps"] > 0).sum() == 1
     assert set(serving["system.name"]) == {"granikv", "sglang_default"}
     assert set(serving["workload.prefix_len"]) == {64, 128}
     for col in ("workload.batch", "model.name", "tp", "provenance.git_commit", "provenance.gpu_name",
@@ -143,7 +144,9 @@ def test_every_module_on_runner_output(raw, tmp_path):
     assert set(zip(got["Lp"], got["B"], got["system"])) == \
         {(lp, "4", s) for lp in ("64", "128") for s in ("granikv", "sglang_default")} | {("64", "2", "granikv")}
     assert (got.loc[got["system"] == "sglang_default", "ratio_vs_sglang_default"] == "1.00").all()
-    assert (got["mean"] != "").all()
+    assert (got["mean"] != "").all()   # the profiled cell is left out of the grid (instrumented)
+    prof = pd.read_csv(tmp_path / "tables" / "profiler.csv", dtype=str, keep_default_na=False)
+    assert len(prof) == 1 and prof["status"].iloc[0].startswith("not measured")  # CPU: no GPU kernels
     ev = r["claims"].set_index("id")
     assert ev.loc["dispatch_overhead_cpu", "verdict"] != "not measured"   # kernel bench dispatch_cost
     assert ev.loc["headline_llama8b", "verdict"] == "not measured"
@@ -170,14 +173,14 @@ def _claim(**kw) -> pd.DataFrame:
 
 
 def _thr(raw: Path, match: dict) -> float:
-    """Output tok/s of the one cell whose config matches, read straight from its metrics.json."""
+    """Output tok/s of the one plain (not profiled) cell whose config matches, from its metrics.json."""
     from granikv.rawio import read_json
     hits = []
     for c in find_cells(raw):
         if not (c / "metrics.json").exists() or not (c / "steps.jsonl").exists():
             continue
         cfg = read_json(c / "config.json")
-        if all(cfg[k.split(".")[0]][k.split(".")[1]] == v for k, v in match.items()):
+        if cfg["profile_steps"] == 0 and all(cfg[k.split(".")[0]][k.split(".")[1]] == v for k, v in match.items()):
             hits.append(read_json(c / "metrics.json")["output_throughput_tok_s"])
     assert len(hits) == 1, match
     return hits[0]
