@@ -67,9 +67,13 @@ def find_cells(root: str | Path) -> list[Path]:
     return sorted(cells)
 
 
-def _need(cond: bool, path: Path, fld: str, fix: str) -> None:
+FIX = ("raw results are written only by runners.run / runners.kernel_bench: rerun the cell "
+       "(force=true) or move the folder out of the results tree; never edit it by hand")
+
+
+def _need(cond: bool, path: Path, fld: str, what: str) -> None:
     if not cond:
-        raise SchemaError(f"{path}: field `{fld}` {fix}")
+        raise SchemaError(f"{path}: field `{fld}` {what}. Fix: {FIX}")
 
 
 def _read_dict(path: Path) -> dict:
@@ -125,7 +129,12 @@ def _load_cell(root: Path, cell: Path) -> tuple[str, dict, list[dict], list[str]
         metrics = _read_dict(cell / "metrics.json")
         check_metrics(cell / "metrics.json", kind, metrics)
         flat_cfg = flatten(config)
-        row = {**base, "kind": kind, **flat_cfg, **flatten(metrics)}
+        row = {**base, "kind": kind, **flat_cfg}
+        for k, v in flatten(metrics).items():  # a metric named like a config key (engine stats: tp)
+            if k not in row:
+                row[k] = v
+            elif row[k] != v:
+                row[f"metrics.{k}"] = v
         krows = []
         if (cell / "kernel.jsonl").exists():
             kpath = cell / "kernel.jsonl"

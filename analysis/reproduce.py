@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="results", help="where tables/, figures/ and REPORT.md go (default results)")
     ap.add_argument("--only", choices=("tables", "figures"), default=None)
     a = ap.parse_args(argv)
+    if Path(a.results).exists() and not Path(a.results).is_dir():
+        ap.error(f"--results {a.results} is not a folder (give the raw results root, e.g. results/raw)")
+    if Path(a.out).exists() and not Path(a.out).is_dir():
+        ap.error(f"--out {a.out} is not a folder")
     if not Path(a.results).exists():
         print(f"note: {a.results} does not exist yet: every cell is reported as not measured", file=sys.stderr)
     t0 = time.perf_counter()

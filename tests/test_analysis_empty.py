@@ -67,3 +67,12 @@ def test_make_help_lists_analysis_targets():
     out = subprocess.run(["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     for target in ("reproduce", "tables", "figures"):
         assert f"make {target}" in out
+
+
+def test_bad_arguments_fail_before_work(tmp_path, capsys):
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    with pytest.raises(SystemExit) as e:
+        main(["--results", str(f), "--out", str(tmp_path / "o")])
+    assert e.value.code == 2 and "--results" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
