@@ -150,16 +150,23 @@ def _gpus(*dfs: pd.DataFrame) -> list[str]:
     return sorted(out)
 
 
+WHAT = {"cells": "cell", "kernels": "kernel row", "trace": "profiled cell with a trace.json",
+        "steps": "dispatch_overhead cell"}
+
+
 def _ratio_stat(ctx: Context, c: pd.Series, sel: dict, base: dict, reduce: str) -> Outcome:
-    df = ctx.frame(c["frame"])
+    df, what = ctx.frame(c["frame"]), WHAT[c["frame"]]
     num = select(df, sel) if not df.empty else df
     if num.empty:
-        return Outcome(why=why_empty(df, sel, "cell"))
+        return Outcome(why=why_empty(df, sel, what))
     p = paired(df, ctx.res.config_columns, sel, base, c["metric"])
     basesel = {**sel, **base}
     if p.empty:
-        return Outcome(why="no baseline twin: " + why_empty(df, basesel, "cell"), gpus=_gpus(num))
+        return Outcome(why="no baseline twin: " + why_empty(df, basesel, what), gpus=_gpus(num))
     gpus = _gpus(num, select(df, basesel))
+    p = p[np.isfinite(p["ratio"].astype(float))]
+    if p.empty:
+        return Outcome(why=f"`{c['metric']}` is missing in every matching {what}", gpus=gpus)
     r = p["ratio"].astype(float)
     if reduce == "geomean":
         return Outcome(geomean(r), f"{geomean(r):.2f}", len(p), gpus=gpus)
@@ -188,7 +195,7 @@ def _value_stat(ctx: Context, c: pd.Series, sel: dict, reduce: str) -> Outcome:
     df = ctx.frame(c["frame"])
     d = select(df, sel) if not df.empty else df
     if d.empty:
-        return Outcome(why=why_empty(df, sel, "cell"))
+        return Outcome(why=why_empty(df, sel, WHAT[c["frame"]]))
     metric = c["metric"]
     if metric not in d.columns or d[metric].isna().all():
         return Outcome(why=f"the matching cells have no `{metric}`", gpus=_gpus(d))
@@ -271,7 +278,7 @@ def stat_overhead(ctx: Context, c: pd.Series, sel: dict, col: str) -> Outcome:
     df = ctx.frame("steps")
     d = select(df, sel) if not df.empty else df
     if d.empty:
-        return Outcome(why=why_empty(df, sel, "dispatch_overhead cell"))
+        return Outcome(why=why_empty(df, sel, WHAT["steps"]))
     if col not in d.columns or d[col].isna().all():
         return Outcome(why="steps.jsonl carries no dispatcher time (dispatch_us)", gpus=_gpus(d))
     v = float(d[col].max())
