@@ -14,7 +14,8 @@ metrics.json: time_ms_<backend>, fastest_backend, fastest_time_ms, dispatch_choi
 Layout cells ``layout-<shape>-lp<Lp>-b<B>``: variant contiguous_dense (one non-causal attention of
   all B queries over the HOT slab view) vs paged_unique_prefill / paged_unique_decode (each request
   its own prefix copy, page size 1); metrics: speedup_vs_paged_unique_*; with ``ncu=true`` on a GPU,
-  dram_pct / sm_pct per variant from Nsight Compute (or ncu_error when it could not run).
+  dram_pct / sm_pct of each variant's longest kernel from Nsight Compute (first shape, largest layout
+  Lp only, to bound the time; ncu_error when it could not run, e.g. no counters on a gVisor host).
 Dispatch-cost cell ``dispatch_cost``: host microseconds per step for Dispatcher.choose over k
   classes and for a whole GranikvBackend.plan() (CPU tensors).
 """
@@ -275,7 +276,7 @@ def ncu_layout(spec: BenchSpec, shape: Shape, lp: int, b: int) -> dict:
         return {"ncu_error": "ncu not found on PATH or /usr/local/cuda/bin"}
     out = {}
     for variant in ("contiguous_dense", "paged_unique_prefill", "paged_unique_decode"):
-        cmd = [exe, "--csv", "--profile-from-start", "off", "--metrics", NCU_METRICS, sys.executable, "-m",
+        cmd = [exe, "--csv", "--profile-from-start", "off", "--clock-control", "none", "--metrics", NCU_METRICS, sys.executable, "-m",
                "runners.kernel_bench", "--probe", shape.name, str(shape.hq), str(shape.hkv), str(shape.d), str(lp), str(b),
                variant, spec.dtype]
         try:
@@ -376,7 +377,7 @@ def run(spec: BenchSpec) -> dict:
                 rows, metrics = bench_decode_cell(spec, c[1], c[2], c[3], c[4], peaks)
             elif c[0] == "layout":
                 rows, metrics = bench_layout_cell(spec, c[1], c[2], c[3], peaks)
-                if spec.ncu and spec.device == "cuda":
+                if spec.ncu and spec.device == "cuda" and c[1] == spec.shapes[0] and c[2] == max(spec.layout_prefix_lens):
                     metrics["ncu"] = ncu_layout(spec, c[1], c[2], c[3])
             else:
                 rows, metrics = dispatch_cost_rows(spec)

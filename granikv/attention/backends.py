@@ -87,6 +87,11 @@ class PrefixAttentionBackend:
 
     plan(DecodeBatch) once per step; run(q [B, Hq, D], k_cache [C, Hkv, D], v_cache) -> o [B, Hq, D]
     once per layer. Subclasses only decide ``ClassPlan.choice`` per class (``_choose``).
+
+    ``graph_safe``: with ``cuda_graph=True`` on the FlashInfer path, run() only reads buffers that
+    plan() rewrites in place, so a graph captured after one plan() replays correctly after any
+    later plan() with the same ``graph_key()`` (checked by tests/test_attention_gpu.py on the GPU
+    host). The torch path (CPU) reads host values and is never captured.
     """
 
     name = "base"
@@ -94,7 +99,7 @@ class PrefixAttentionBackend:
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, tensor_core_decode: str = "auto", sm_scale: Optional[float] = None,
-                 cuda_graph: bool = False):
+                 cuda_graph: bool = False, impl: Optional[str] = None):
         if num_q_heads % num_kv_heads:
             raise ValueError(f"{self.name}: num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         self.hq, self.hkv, self.d = num_q_heads, num_kv_heads, head_dim
@@ -106,8 +111,12 @@ class PrefixAttentionBackend:
         self.cuda_graph = cuda_graph
         self.last_decisions: list[dict] = []
         self._plan: Optional[StepPlan] = None
+        # impl: "torch" (reference math) or "flashinfer"; default by device
+        self.impl = impl or ("flashinfer" if self.device.type == "cuda" else "torch")
+        if self.impl not in ("torch", "flashinfer"):
+            raise ValueError(f"{self.name}: impl must be torch or flashinfer, got {impl!r}")
         self._gpu = None
-        if self.device.type == "cuda":
+        if self.impl == "flashinfer":
             from granikv.attention.gpu_paths import GpuPaths
 
             self._gpu = GpuPaths(self)
@@ -287,6 +296,10 @@ def make_backend(system_cfg: Any, num_q_heads: int, num_kv_heads: int, head_dim:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, dispatcher: Any = None,
                  cuda_graph: bool = False) -> PrefixAttentionBackend:
     """The prefix backend of ``system_cfg.backend`` for heads per TP rank.
+
+    Names: paged | cascade | hydragen | granikv (the SystemConfig backends) and dense (dense-HOT for
+    every HOT class without a dispatcher; the kernel bench's variant; in the engine the same is
+    ``granikv`` with ``dispatch=dense_only``).
 
     ``system_cfg``: a granikv.config.SystemConfig (or anything with ``backend``, ``dispatch``,
     ``tensor_core_decode``). For ``granikv`` without an explicit dispatcher, a Dispatcher in

@@ -45,7 +45,8 @@ def workspace(device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device not in _workspaces:
-        _workspaces[device] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        nbytes = WORKSPACE_BYTES if device.type == "cuda" else 1024      # cpu: only for tests with a stand-in
+        _workspaces[device] = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     return _workspaces[device]
 
 
@@ -101,7 +102,7 @@ def plan_prefill_paged(wrapper, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor
                        last_page_len: Optional[torch.Tensor] = None) -> None:
     """Plan a ragged prefill over page-size-1 KV (causal = bottom-right aligned, as SGLang's extend)."""
     if last_page_len is None:
-        last_page_len = torch.ones(kv_indptr.numel() - 1, dtype=torch.int32, device=kv_indptr.device)
+        last_page_len = torch.ones(kv_indptr.numel() - 1, dtype=torch.int32)      # host tensor: no sync in plan
     wrapper.plan(qo_indptr.int(), kv_indptr.int(), kv_indices.int(), last_page_len, hq, hkv, d, 1, causal=causal,
                  sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype)
 
@@ -120,7 +121,7 @@ def make_cascade_wrapper(ws: torch.Tensor, num_levels: int = 2, graph_bufs: Opti
 def plan_cascade(wrapper, qo_indptrs: list, kv_indptrs: list, kv_indices: list, hq: int, hkv: int, d: int,
                  sm_scale: float, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
     """Plan a multi-level cascade, page size 1, non-causal at every level (decode)."""
-    lpl = [torch.ones(p.numel() - 1, dtype=torch.int32, device=p.device) for p in kv_indptrs]
+    lpl = [torch.ones(p.numel() - 1, dtype=torch.int32) for p in kv_indptrs]
     wrapper.plan([p.int() for p in qo_indptrs], [p.int() for p in kv_indptrs], [x.int() for x in kv_indices], lpl,
                  hq, hkv, d, 1, causal=False, sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype)
 

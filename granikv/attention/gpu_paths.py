@@ -58,7 +58,7 @@ class WrapperSet:
                     pbufs = {"qo_indptr": torch.zeros(n + 1, **i32), "indptr": torch.zeros(n + 1, **i32),
                              "indices": torch.zeros(nnz, **i32), "last_page_len": torch.ones(n, **i32)}
                 self.prefill = fo.make_prefill_paged_wrapper(self.ws, pbufs)
-        self.last_page_len = torch.ones(b, **i32)
+        self.last_page_len = torch.ones(b, dtype=torch.int32)            # host: FlashInfer's plan reads it on the host
         self.rows_buf = torch.zeros(b, dtype=torch.int64, device=dev)     # split classes' rows, class after class
         self.slots_buf: Optional[torch.Tensor] = None                     # hydragen prefix slots
         lp_h = max((c.prefix_len for c in split if c.choice == "hydragen"), default=0)
@@ -96,7 +96,10 @@ class WrapperSet:
                 soff += c.prefix_len
             self.segments.append((c.choice, self.rows_buf[off:off + n], c.prefix_len, c.hot_start, slots))
             off += n
-        self.identity_rows = len(split) == 1 and split[0].rows == list(range(b))
+        # one class holding every request: all B queries attend the same prefix, so the prefix state
+        # is computed on q as is and merged in place, no gather / scatter (order-free, graph-safe:
+        # B_class == B is part of graph_key())
+        self.full_cover = len(split) == 1 and len(split[0].rows) == b
         cas = [c for c in split if c.choice == "cascade"]
         self.cas_rows = None
         if cas:
@@ -125,8 +128,12 @@ class WrapperSet:
         if not self.segments:
             return self.decode.run(q, kv)
         o, lse = self.decode.run(q, kv, return_lse=True)            # [B, Hq, D], [B, Hq] base 2
-        if self.identity_rows and self.segments[0][0] != "cascade":
-            oc, lc = self._prefix_state(self.segments[0], q, k_cache, v_cache)
+        if self.full_cover:
+            seg = self.segments[0]
+            if seg[0] == "cascade":
+                oc, lc = self.prefill.run(q, kv, return_lse=True)
+            else:
+                oc, lc = self._prefix_state(seg, q, k_cache, v_cache, gather=False)
             fo.merge_state_in_place(o, lse, oc, lc)
             return o
         o_pre = torch.zeros_like(o)
@@ -144,9 +151,9 @@ class WrapperSet:
         fo.merge_state_in_place(o, lse, o_pre, lse_pre)
         return o
 
-    def _prefix_state(self, seg, q, k_cache, v_cache):
+    def _prefix_state(self, seg, q, k_cache, v_cache, gather: bool = True):
         choice, rows, lp, hs, slots = seg
-        qc = q if self.identity_rows else q.index_select(0, rows)
+        qc = q.index_select(0, rows) if gather else q
         if choice == "dense":
             kp, vp = k_cache[hs:hs + lp], v_cache[hs:hs + lp]        # contiguous HOT slab views
         else:                                                       # hydragen: gather to scratch first

@@ -24,14 +24,14 @@ class PrefillAttention:
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, workspace: Optional[torch.Tensor] = None,
-                 sm_scale: Optional[float] = None):
+                 sm_scale: Optional[float] = None, impl: Optional[str] = None):
         if num_q_heads % num_kv_heads:
             raise ValueError(f"PrefillAttention: num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         self.hq, self.hkv, self.d = num_q_heads, num_kv_heads, head_dim
         self.device = torch.device(device)
         self.dtype = dtype
         self.sm_scale = reference.default_scale(head_dim) if sm_scale is None else sm_scale
-        self._gpu = self.device.type == "cuda"
+        self._gpu = (impl or ("flashinfer" if self.device.type == "cuda" else "torch")) == "flashinfer"
         self._plan: Optional[tuple] = None
         if self._gpu:
             from granikv.attention import flashinfer_ops as fo

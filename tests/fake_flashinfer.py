@@ -1,0 +1,144 @@
+"""A CPU stand-in for the slice of FlashInfer's API that granikv uses, computed with the reference.
+
+It checks what FlashInfer 0.7.2.post1 requires of its callers (argument names, int32 indices,
+page size 1 views, fixed batch size and buffer capacity in CUDA-graph mode) and, in graph mode,
+reads only the caller-provided buffers, so the bookkeeping of granikv's FlashInfer paths
+(gpu_paths.py) can be tested without a GPU. It says nothing about FlashInfer's own kernels.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from granikv.attention import reference as R
+
+
+def _kv(paged_kv_cache):
+    k, v = paged_kv_cache
+    assert k.dim() == 4 and k.shape[1] == 1, "page size 1 NHD pages [C, 1, Hkv, D] expected"
+    return k[:, 0], v[:, 0]
+
+
+def _i32(t, name):
+    assert t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}"
+
+
+class _Paged:
+    def __init__(self, graph, bufs):
+        self.graph, self.bufs, self.state = graph, bufs, None
+
+    def _store(self, qo, indptr, indices, lpl):
+        _i32(indptr, "indptr"); _i32(indices, "indices"); _i32(lpl, "last_page_len")
+        assert int(indptr[-1]) == indices.numel(), "indptr[-1] must equal len(indices)"
+        assert bool((lpl == 1).all()), "page size 1: last_page_len must be all ones"
+        if self.graph:
+            assert indptr.numel() == self.bufs["indptr"].numel(), "cudagraph mode: batch size is fixed"
+            assert indices.numel() <= self.bufs["indices"].numel(), "indices exceed the cudagraph buffer"
+            self.bufs["indptr"].copy_(indptr)
+            self.bufs["indices"][:indices.numel()].copy_(indices)
+            if qo is not None:
+                assert qo.numel() == self.bufs["qo"].numel()
+                self.bufs["qo"].copy_(qo)
+        else:
+            self.state = (qo, indptr.clone(), indices.clone())
+
+    def _get(self):
+        if self.graph:
+            indptr = self.bufs["indptr"]
+            return self.bufs.get("qo"), indptr, self.bufs["indices"][:int(indptr[-1])]
+        return self.state
+
+
+class BatchDecodeWithPagedKVCacheWrapper(_Paged):
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
+                 backend="auto", jit_args=None):
+        assert kv_layout == "NHD"
+        super().__init__(use_cuda_graph, {"indptr": paged_kv_indptr_buffer, "indices": paged_kv_indices_buffer})
+        if use_cuda_graph:
+            assert paged_kv_last_page_len_buffer.numel() == paged_kv_indptr_buffer.numel() - 1
+        self.use_tensor_cores = use_tensor_cores
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *, q_data_type=None,
+             kv_data_type=None, sm_scale=None, **kw):
+        assert page_size == 1 and not kw, kw
+        self.sm_scale = sm_scale
+        self._store(None, indptr.int() if indptr.dtype != torch.int32 else indptr, indices, last_page_len)
+
+    def run(self, q, paged_kv_cache, *, return_lse=False, **kw):
+        k, v = _kv(paged_kv_cache)
+        _, indptr, indices = self._get()
+        o, lse = R.paged_decode_ref(q, k, v, indptr, indices, self.sm_scale)
+        return (o, lse) if return_lse else o
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_Paged):
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
+                 paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None, **kw):
+        assert kv_layout == "NHD"
+        super().__init__(use_cuda_graph, {"indptr": paged_kv_indptr_buf, "indices": paged_kv_indices_buf,
+                                          "qo": qo_indptr_buf})
+
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
+             head_dim_qk, page_size, *, causal=False, sm_scale=None, q_data_type="float16", kv_data_type=None, **kw):
+        assert page_size == 1 and not kw, kw
+        self.causal, self.sm_scale = causal, sm_scale
+        self._store(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+
+    def run(self, q, paged_kv_cache, *, return_lse=False, **kw):
+        k, v = _kv(paged_kv_cache)
+        qo, indptr, indices = self._get()
+        o, lse = R.prefill_ref(q, k, v, qo, indptr, indices, self.causal, self.sm_scale)
+        return (o, lse) if return_lse else o
+
+
+class MultiLevelCascadeAttentionWrapper:
+    def __init__(self, num_levels, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False,
+                 qo_indptr_buf_arr=None, paged_kv_indptr_buf_arr=None, paged_kv_indices_buf_arr=None,
+                 paged_kv_last_page_len_buf_arr=None):
+        g = use_cuda_graph
+        self.levels = [BatchPrefillWithPagedKVCacheWrapper(
+            float_workspace_buffer, kv_layout, g, qo_indptr_buf_arr[i] if g else None,
+            paged_kv_indptr_buf_arr[i] if g else None, paged_kv_indices_buf_arr[i] if g else None,
+            paged_kv_last_page_len_buf_arr[i] if g else None) for i in range(num_levels)]
+
+    def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len, num_qo_heads,
+             num_kv_heads, head_dim, page_size, causal=False, sm_scale=None, q_data_type="float16", kv_data_type=None):
+        for i, w in enumerate(self.levels):
+            w.plan(qo_indptr_arr[i], paged_kv_indptr_arr[i], paged_kv_indices_arr[i], paged_kv_last_page_len[i],
+                   num_qo_heads, num_kv_heads, head_dim, page_size, causal=causal if i == len(self.levels) - 1 else False,
+                   sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type)
+
+    def run(self, q, paged_kv_cache):
+        out, lse = self.levels[-1].run(q, paged_kv_cache, return_lse=True)
+        for w in self.levels[:-1]:
+            o, s = w.run(q, paged_kv_cache, return_lse=True)
+            merge_state_in_place(out, lse, o, s)
+        return out
+
+
+def single_prefill_with_kv_cache(q, k, v, *, causal=False, kv_layout="NHD", sm_scale=None, return_lse=False, **kw):
+    assert kv_layout == "NHD" and not causal and not kw
+    assert k.is_contiguous() and v.is_contiguous()
+    o, lse = R.attention_ref(q, k, v, sm_scale)
+    return (o, lse) if return_lse else o
+
+
+def merge_state(v_a, s_a, v_b, s_b):
+    return R.merge_state(v_a, s_a, v_b, s_b)
+
+
+def merge_state_in_place(v, s, v_other, s_other, mask=None):
+    assert v.dtype == v_other.dtype and s.dtype == s_other.dtype == torch.float32
+    R.merge_state_in_place(v, s, v_other, s_other, mask)
+
+
+def module() -> types.ModuleType:
+    m = types.ModuleType("flashinfer")
+    m.__version__ = "fake-0.7.2.post1"
+    for name in ("BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
+                 "MultiLevelCascadeAttentionWrapper", "single_prefill_with_kv_cache", "merge_state",
+                 "merge_state_in_place"):
+        setattr(m, name, globals()[name])
+    return m
