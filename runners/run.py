@@ -7,7 +7,7 @@
 
 A cell goes to ``<results_dir>/<sweep_name>/<cell_id>/`` where ``cell_id`` is the cell's
 Hydra overrides, sorted and sanitised (``system=granikv,workload.prefix_len=256``; keys that
-do not change the measurement - results_dir, sweep_name, sweep, launcher, force - are left
+do not change the measurement - results_dir, sweep_name, sweep, launcher, force, nvml, nsys - are left
 out). It holds config.json (resolved config + provenance), workload.jsonl (the trace; token
 ids regenerate from seed + workload), requests.jsonl (with output_ids), steps.jsonl (the
 dispatch trace), metrics.json (written last: its presence marks the cell done) and
@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
@@ -40,7 +41,7 @@ from granikv.request import Request
 
 register()
 
-EXCLUDED_KEYS = {"results_dir", "sweep_name", "sweep", "launcher", "force"}
+EXCLUDED_KEYS = {"results_dir", "sweep_name", "sweep", "launcher", "force", "nvml", "nsys"}
 MAX_ID = 200
 
 
@@ -92,31 +93,37 @@ def kv_budget(rc: RunConfig) -> Optional[int]:
                               f"budget for model '{m.name}' (has {sorted(hw.kv_budget_per_model)}); add one")
         return int(hw.kv_budget_per_model[m.name])
     if hw.gpu_memory_gib > 0:  # SGLang's rule, weights ~ 2 B/param for bf16, split over TP
-        params = m.num_layers * (4 * m.hidden_size * m.num_heads * m.head_dim // 2 + 3 * m.hidden_size
-                                 * m.intermediate_size) + 2 * m.vocab_size * m.hidden_size
+        attn = m.hidden_size * m.head_dim * 2 * (m.num_heads + m.num_kv_heads)   # q, k, v, o
+        params = m.num_layers * (attn + 3 * m.hidden_size * m.intermediate_size) + 2 * m.vocab_size * m.hidden_size
         free = hw.gpu_memory_gib * 2**30 * hw.mem_fraction - 2 * params / rc.tp - 0.5 * 2**30
         per_tok = 2 * m.num_layers * (m.num_kv_heads // rc.tp) * m.head_dim * 2
         return max(int(free // per_tok), 0)
     return None
 
 
-def check_workload(rc: RunConfig, requests: list[Request]) -> None:
-    """Requests that could never be served: longer than the model's context or the KV budget."""
-    if not requests:
+def check_workload(rc: RunConfig, requests: Optional[list[Request]] = None) -> None:
+    """A workload that could never be served: a request longer than the model's context or
+    the KV budget. Without ``requests`` the longest request is computed from the config."""
+    if requests is not None and not requests:
         raise ConfigError("config error at `workload`: the workload has no requests "
                           "(workload.batch / workload.num_requests must be >= 1)")
-    longest = max(requests, key=lambda r: len(r.prompt_ids) + r.output_len)
-    need = len(longest.prompt_ids) + longest.output_len
+    if requests:
+        r = max(requests, key=lambda r: len(r.prompt_ids) + r.output_len)
+        what, prompt, out = f"request {r.rid}", len(r.prompt_ids), r.output_len
+    else:
+        (prompt, out), what = workloads.longest_request(rc), "the longest request"
+    need = prompt + out
     if need > rc.model.max_position_embeddings:
-        raise ConfigError(f"config error at `workload.prefix_len`: request {longest.rid} needs {need} positions "
-                          f"(prompt {len(longest.prompt_ids)} + output {longest.output_len}) but model "
-                          f"'{rc.model.name}' has max_position_embeddings={rc.model.max_position_embeddings}; "
+        raise ConfigError(f"config error at `workload.prefix_len`: {what} needs {need} positions "
+                          f"(prompt {prompt} + output {out}) but model '{rc.model.name}' has "
+                          f"max_position_embeddings={rc.model.max_position_embeddings}; "
                           "shorten prefix_len / suffix_len / output_len")
     budget = kv_budget(rc)
     if budget is not None and need > budget:
-        raise ConfigError(f"config error at `hardware.kv_budget_tokens`: request {longest.rid} needs {need} KV "
-                          f"tokens (prompt {len(longest.prompt_ids)} + output {longest.output_len}) but hardware "
-                          f"'{rc.hardware.name}' gives model '{rc.model.name}' (tp={rc.tp}) a budget of {budget}; "
+        raise ConfigError(f"config error at `hardware.kv_budget_tokens`: {what} needs {need} KV tokens "
+                          f"(prompt {prompt} + output {out}) but hardware '{rc.hardware.name}' gives model "
+                          f"'{rc.model.name}' (tp={rc.tp}) a budget of {budget}"
+                          f"{'' if rc.hardware.kv_budget_tokens or rc.hardware.kv_budget_per_model else ' (estimated)'}; "
                           "shorten the workload (workload.prefix_len / suffix_len / output_len) or raise the budget")
 
 
@@ -132,6 +139,75 @@ def check_writable(results_dir: str) -> Path:
         raise ConfigError(f"config error at `results_dir`: '{results_dir}' is not writable ({e.strerror}); "
                           "pass results_dir=<a folder you can write>") from e
     return root
+
+
+# ---------------------------------------------------------------- a whole sweep, before any cell
+def sweep_jobs(config: DictConfig) -> list[list[str]]:
+    """The override lists Hydra's basic sweeper will launch (sweeper params x CLI overrides)."""
+    import itertools
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = config.hydra.sweeper.get("params") or {}
+    args = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
+    axes: dict[str, list[str]] = {}
+    for ov in OverridesParser.create().parse_overrides(args):
+        key = ov.get_key_element()
+        vals = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.get_value_element_as_str()]
+        axes[key] = [f"{key}={v}" for v in vals]
+    return [list(p) for p in itertools.product(*axes.values())]
+
+
+_GROUPS = {p.name for p in (Path(__file__).resolve().parents[1] / "conf").iterdir() if p.is_dir()}
+_BASES: dict[tuple, DictConfig] = {}
+
+
+def _compose_cached(overrides: list[str], compose) -> DictConfig:
+    """Hydra composition of one cell, fast for big sweeps: compose once per distinct set of
+    group choices (model=..., system=...), then set the plain ``key=value`` overrides on a
+    copy (what Hydra does after choosing the groups). Anything else is composed in full."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    groups = [o for o in parsed if "." not in o.key_or_group and o.key_or_group in _GROUPS]
+    values = [o for o in parsed if o not in groups]
+    if any(o.is_add() or o.is_delete() or o.is_force_add() or o.key_or_group.startswith("hydra")
+           for o in parsed):
+        return compose(config_name="config", overrides=overrides)
+    key = tuple(o.input_line for o in groups)
+    if key not in _BASES:
+        _BASES[key] = compose(config_name="config", overrides=list(key))
+    cfg = _BASES[key].copy()
+    for o in values:
+        OmegaConf.update(cfg, o.key_or_group, o.value(), merge=False)
+    return cfg
+
+
+class SweepPrecheck(Callback):
+    """Hydra callback: before a multirun starts, check every cell (schema values, KV fit,
+    context length) and the results folder; any bad cell stops the sweep with its key named."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        from hydra import compose
+
+        bad, jobs = [], sweep_jobs(config)
+        try:
+            check_writable(str(config.results_dir))
+        except ConfigError as e:
+            bad.append(f"  {e}")
+        for ov in jobs if not bad else []:
+            try:
+                check_workload(resolve(_compose_cached(ov, compose)))
+            except ConfigError as e:
+                bad.append(f"  {cell_id(ov)}: {e}")
+        if bad:
+            # Hydra turns a callback's Exception into a warning; SystemExit does stop the sweep
+            try:
+                print(f"[runners.run] {len(bad)} of {len(jobs)} cells are invalid; nothing was run:\n"
+                      + "\n".join(bad), file=sys.stderr)
+            finally:  # even if stderr is a closed pipe
+                raise SystemExit(2)
 
 
 # ---------------------------------------------------------------- one cell
@@ -181,6 +257,7 @@ def run_cell(cfg: DictConfig | RunConfig, overrides: list[str], multirun: bool =
     config = {**dataclasses.asdict(rc), "cell_kind": "serving",
               "cell": {"cell_id": cell.name, "overrides": list(overrides)}}
     try:
+        check_workload(rc)                   # from the config alone: fails fast on long sweeps
         requests = workloads.build(rc)
         check_workload(rc, requests)
     except ConfigError as e:
@@ -216,7 +293,7 @@ def _fail(cell: Path, e: BaseException, config: dict, kind: str = "exception") -
 def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], engine_factory) -> None:
     from tqdm import tqdm
 
-    from granikv.telemetry import NvmlSampler, StepProfiler, nsys_path
+    from granikv.telemetry import ENV_GUARD, NvmlSampler, StepProfiler, nsys_path
 
     for stale in ("metrics.json", "failure.json"):
         (cell / stale).unlink(missing_ok=True)
@@ -232,13 +309,19 @@ def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], e
                 bar.update(int(step.get("num_tokens", step.get("batch_size", 0))))
             prof.on_step(step)
 
-        result = engine.run(requests, on_step=on_step)
+        if os.environ.get(ENV_GUARD) and rc.hardware.device == "cuda":
+            import torch  # under nsys: record_function ranges (prefill_step / decode_step) as NVTX
+
+            with torch.autograd.profiler.emit_nvtx():
+                result = engine.run(requests, on_step=on_step)
+        else:
+            result = engine.run(requests, on_step=on_step)
         prof.finish()
     rawio.write_jsonl(cell / "requests.jsonl", _request_rows(requests, result.records))
     rawio.write_jsonl(cell / "steps.jsonl", result.steps)
     m = metrics_mod.summarize(result.records, result.steps)
     telemetry = {**nvml.summary(), **prof.summary(),
-                 "nsys_note": ("captured (profile.nsys-rep)" if os.environ.get("GRANIKV_IN_NSYS")
+                 "nsys_note": ("captured (profile.nsys-rep)" if os.environ.get(ENV_GUARD)
                                else "nsys not on PATH; not captured" if rc.nsys and not nsys_path() else None)}
     rawio.write_json(cell / "metrics.json", {**_engine_stats(result.stats), **m, "telemetry": telemetry})
     tput = m["output_throughput_tok_s"]

@@ -11,8 +11,8 @@ import hashlib
 
 from granikv.config import RunConfig
 from granikv.request import Request
-from granikv.workloads.multiprefix import multiprefix_requests
-from granikv.workloads.sharegpt import sharegpt_requests
+from granikv.workloads.multiprefix import class_lengths, multiprefix_requests
+from granikv.workloads.sharegpt import load_lengths, sharegpt_requests
 from granikv.workloads.synthetic import synthetic_requests
 
 BUILDERS = {"synthetic": synthetic_requests, "sharegpt": sharegpt_requests, "multiprefix": multiprefix_requests}
@@ -24,6 +24,15 @@ def build(cfg: RunConfig) -> list[Request]:
     if w.kind not in BUILDERS:
         raise ValueError(f"config error at `workload.kind`: '{w.kind}' not in {sorted(BUILDERS)}")
     return BUILDERS[w.kind](w, cfg.model.vocab_size, cfg.seed)
+
+
+def longest_request(cfg: RunConfig) -> tuple[int, int]:
+    """(prompt_len, output_len) of the workload's longest request, without building it."""
+    w = cfg.workload
+    if w.kind == "sharegpt":
+        p, o = max(load_lengths(w.sharegpt_lengths), key=lambda x: x[0] + x[1])
+        return w.prefix_len + p, o
+    return max(class_lengths(w)) + w.suffix_len, w.output_len
 
 
 def prompt_sha1(ids: list[int]) -> str:

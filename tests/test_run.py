@@ -1,0 +1,223 @@
+"""runners.run: cell folders, skip/force, failure.json, bad input before any work, telemetry."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from granikv import rawio, workloads
+from granikv.config import to_run_config
+from granikv.telemetry import NvmlSampler, nsys_command
+from runners.run import ConfigError, cell_id, default_engine, run_cell
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["model=tiny", "hardware=cpu", "workload=synthetic", "workload.batch=2", "workload.suffix_len=4",
+         "workload.output_len=4", "workload.prefix_len=16", "nvml=false"]
+
+
+def compose_cfg(overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+def cli(*args, cwd=ROOT):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "runners.run", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def check_serving_cell(cell: Path) -> dict:
+    for f in rawio.REQUIRED_FILES["serving"] + ("workload.jsonl",):
+        assert (cell / f).exists(), f"{cell}: {f} missing"
+    cfg = rawio.read_json(cell / "config.json")
+    assert cfg["cell_kind"] == "serving" and cfg["cell"]["cell_id"] == cell.name
+    assert set(rawio.PROVENANCE_KEYS) <= set(cfg["provenance"])
+    m = rawio.read_json(cell / "metrics.json")
+    assert set(rawio.SERVING_METRICS) <= set(m)
+    reqs = rawio.read_jsonl(cell / "requests.jsonl")
+    assert len(reqs) == m["num_requests"] == cfg["workload"]["batch"]
+    for r in reqs:
+        assert len(r["output_ids"]) == r["output_len"] == cfg["workload"]["output_len"]
+        assert r["first_token_s"] >= r["arrival_s"] and r["finish_s"] >= r["first_token_s"]
+    steps = rawio.read_jsonl(cell / "steps.jsonl")
+    assert steps and all("step_time_s" in s for s in steps)
+    return m
+
+
+# ---------------------------------------------------------------- cell ids
+def test_cell_id_sorted_sanitised_and_stable():
+    a = cell_id(["workload.prefix_len=256", "system=granikv", "results_dir=/x", "sweep=smoke", "force=true"])
+    assert a == "system=granikv,workload.prefix_len=256"
+    assert a == cell_id(["system=granikv", "workload.prefix_len=256"])
+    assert cell_id([]) == "default"
+    assert cell_id(["workload.prefix_lens=[1024, 2048]", "+x=a/b"]) == "workload.prefix_lens=1024-2048,x=a_b"
+    long = cell_id([f"k{i}=" + "v" * 30 for i in range(20)])
+    assert len(long) == 200 and long != cell_id([f"k{i}=" + "v" * 30 for i in range(21)])
+
+
+# ---------------------------------------------------------------- bad input, before any work
+@pytest.mark.parametrize("override,key", [
+    ("workload.prefix_len=-5", "workload.prefix_len"),
+    ("workload.rate=0", "workload.rate"),
+    ("hardware.kv_budget_tokens=10", "hardware.kv_budget_tokens"),      # 16 + 4 + 4 tokens do not fit
+    ("workload.prefix_len=40000", "workload.prefix_len"),                # beyond max_position_embeddings
+    ("tp=3", "tp"),
+])
+def test_bad_input_named_before_any_work(tmp_path, override, key):
+    cfg = compose_cfg([*SMALL, f"results_dir={tmp_path}", override])
+    calls = []
+    with pytest.raises(ConfigError, match=f"`{key}`"):
+        run_cell(cfg, [override], engine_factory=lambda rc: calls.append(rc))
+    assert not calls, "the engine was built before the error"
+    assert not any(p.is_file() for p in tmp_path.rglob("*")), "files were written before the error"
+
+
+def test_kv_budget_of_a100_preset_is_checked(tmp_path):
+    # Lp=16K + 2048 on the a100 preset fits llama3_8b (157K) ...
+    cfg = compose_cfg(["hardware=a100_40gb", "model=llama3_8b", f"results_dir={tmp_path}"])
+    from runners.run import kv_budget, resolve
+
+    assert kv_budget(resolve(cfg)) == 157360
+    # ... and a preset without this model is a named error
+    cfg = compose_cfg(["hardware=a100_40gb", "model=llama3_8b", "model.name=llama_other",
+                       f"results_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="`hardware.kv_budget_per_model`"):
+        run_cell(cfg, [], engine_factory=lambda rc: None)
+
+
+def test_unwritable_results_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cfg = compose_cfg([*SMALL, f"results_dir={blocker}/sub"])
+    with pytest.raises(ConfigError, match="`results_dir`"):
+        run_cell(cfg, [], engine_factory=lambda rc: None)
+
+
+def test_cli_errors(tmp_path):
+    p = cli("model=nope", f"results_dir={tmp_path}")
+    assert p.returncode != 0 and "model/nope" in p.stderr
+    p = cli(*SMALL, "workload.output_len=-1", f"results_dir={tmp_path}")
+    assert p.returncode == 2 and "`workload.output_len`" in p.stderr
+    assert not list(tmp_path.rglob("*.json"))
+
+
+# ---------------------------------------------------------------- end to end (real engine, CPU)
+def test_multirun_writes_cells_then_skips(tmp_path):
+    base = [o for o in SMALL if not o.startswith("workload.prefix_len")]
+    args = ["-m", *base, "system=sglang_default,granikv", "workload.prefix_len=16,48",
+            "sweep_name=t", f"results_dir={tmp_path}"]
+    p = cli(*args)
+    assert p.returncode == 0, p.stderr[-3000:]
+    cells = sorted((tmp_path / "t").iterdir())
+    expect = {cell_id([*base, f"system={s}", f"workload.prefix_len={lp}"]): (s, lp)
+              for s in ("sglang_default", "granikv") for lp in (16, 48)}
+    assert {c.name for c in cells} == set(expect)
+    for c in cells:
+        m = check_serving_cell(c)
+        assert m["num_output_tokens"] == 8 and m["output_throughput_tok_s"] > 0
+        # the saved trace is regenerable from seed + config
+        s, lp = expect[c.name]
+        rc = to_run_config(compose_cfg([*base, f"system={s}", f"workload.prefix_len={lp}"]))
+        assert rawio.read_jsonl(c / "workload.jsonl") == json.loads(json.dumps(workloads.trace_rows(workloads.build(rc))))
+    assert (tmp_path / ".hydra" / "t" / "multirun.yaml").exists()
+    mtimes = {c: (c / "metrics.json").stat().st_mtime_ns for c in cells}
+    p = cli(*args)
+    assert p.returncode == 0 and p.stdout.count("skip (metrics.json exists") == 4
+    assert mtimes == {c: (c / "metrics.json").stat().st_mtime_ns for c in cells}
+    # same greedy outputs across systems (random weights, same seed)
+    outs = {expect[c.name]: [r["output_ids"] for r in rawio.read_jsonl(c / "requests.jsonl")] for c in cells}
+    assert outs[("granikv", 16)] == outs[("sglang_default", 16)]
+
+
+def test_failing_cell_leaves_failure_json_and_sweep_goes_on(tmp_path):
+    def flaky(rc):
+        if rc.workload.prefix_len == 16:
+            raise RuntimeError("injected failure for prefix_len=16")
+        return default_engine(rc)
+
+    folders = []
+    for lp in (16, 48):
+        ov = [f"workload.prefix_len={lp}"]
+        cfg = compose_cfg([*SMALL[:-2], f"results_dir={tmp_path}", "sweep_name=f", *ov])
+        folders.append(run_cell(cfg, ov, multirun=True, engine_factory=flaky))
+    bad, good = folders
+    f = rawio.read_json(bad / "failure.json")
+    assert "injected failure" in f["error"] and "Traceback" in f["traceback"]
+    assert f["config"]["workload"]["prefix_len"] == 16 and rawio.cell_state(bad) == "failed"
+    check_serving_cell(good)
+    # a failed cell is retried next time (only metrics.json marks a cell done); success clears failure.json
+    cfg = compose_cfg([*SMALL[:-2], f"results_dir={tmp_path}", "sweep_name=f", "workload.prefix_len=16"])
+    run_cell(cfg, ["workload.prefix_len=16"], multirun=True)
+    assert rawio.cell_state(bad) == "done" and not (bad / "failure.json").exists()
+
+
+def test_bad_cell_stops_a_sweep_before_any_work(tmp_path):
+    p = cli("-m", *SMALL, "hardware.kv_budget_tokens=10,4096", "sweep_name=k", f"results_dir={tmp_path}")
+    assert p.returncode == 2
+    assert "1 of 2 cells are invalid; nothing was run" in p.stderr and "`hardware.kv_budget_tokens`" in p.stderr
+    assert not any(f.is_file() for f in tmp_path.rglob("*"))
+    (tmp_path / "f").write_text("")  # results_dir under a file: cannot be created
+    p = cli("-m", *SMALL, "workload.suffix_len=1,2", f"results_dir={tmp_path / 'f'}/x")
+    assert p.returncode == 2 and "`results_dir`" in p.stderr
+
+
+def test_config_error_inside_a_sweep_job_is_a_failed_cell(tmp_path):
+    """Fallback when a job's config is only checked in the job (e.g. a SLURM array)."""
+    ov = ["hardware.kv_budget_tokens=10"]
+    cell = run_cell(compose_cfg([*SMALL, f"results_dir={tmp_path}", *ov]), ov, multirun=True)
+    f = rawio.read_json(cell / "failure.json")
+    assert f["kind"] == "config_error" and "`hardware.kv_budget_tokens`" in f["error"]
+
+
+def test_fast_sweep_composition_matches_hydra(tmp_path):
+    from hydra import compose
+
+    from runners.run import _compose_cached
+
+    cells = [["sweep=multiprefix_hetero", "system=granikv", "workload.prefix_lens=[1024,1536,2048,3072,4096,6144,8192,12288]"],
+             ["sweep=synthetic_grid", "system=hydragen", "workload.prefix_len=2048", "workload.batch=32", "rep=2"],
+             ["sweep=headline_qwen25_32b", "tp=2", "hardware.mem_fraction=0.87", "system=sglang_cascade"]]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        for ov in cells:
+            assert to_run_config(_compose_cached(ov, compose)) == to_run_config(compose("config", overrides=ov))
+
+
+def test_force_reruns(tmp_path):
+    cfg = compose_cfg([*SMALL, f"results_dir={tmp_path}"])
+    cell = run_cell(cfg, [])
+    t0 = (cell / "metrics.json").stat().st_mtime_ns
+    run_cell(cfg, [])
+    assert (cell / "metrics.json").stat().st_mtime_ns == t0
+    run_cell(compose_cfg([*SMALL, f"results_dir={tmp_path}", "force=true"]), ["force=true"])
+    assert (cell / "metrics.json").stat().st_mtime_ns != t0
+
+
+# ---------------------------------------------------------------- telemetry
+def test_profiler_window_writes_trace(tmp_path):
+    cfg = compose_cfg([*SMALL, f"results_dir={tmp_path}", "profile_steps=2", "workload.output_len=12"])
+    cell = run_cell(cfg, [])
+    trace = json.loads((cell / "trace.json").read_text())
+    assert any(e.get("name") == "decode_step" for e in trace["traceEvents"])
+    t = rawio.read_json(cell / "metrics.json")["telemetry"]
+    assert t["trace_json"] == "trace.json" and t["profiled_decode_steps"] == 2
+
+
+def test_nvml_without_gpu_is_a_noop_with_a_note(tmp_path):
+    with NvmlSampler(tmp_path / "nvml.csv") as s:
+        pass
+    if s.summary()["nvml_csv"] is None:
+        assert not (tmp_path / "nvml.csv").exists() and s.note
+    else:  # a GPU machine: rows were written
+        assert (tmp_path / "nvml.csv").read_text().startswith("t_s,gpu,sm_clock_mhz")
+
+
+def test_nsys_command_reruns_the_same_cell(tmp_path):
+    cmd = nsys_command(tmp_path, ["sweep=dispatch_overhead", "system=granikv"], "/usr/bin/nsys")
+    assert cmd[:2] == ["/usr/bin/nsys", "profile"] and "--trace=cuda,nvtx,osrt" in cmd
+    assert cmd[-4:] == ["-m", "runners.run", "sweep=dispatch_overhead", "system=granikv"]
+    assert f"--output={tmp_path / 'profile'}" in cmd
