@@ -12,6 +12,7 @@ whenever an admission decision depends on it, so all ranks take identical steps.
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -53,6 +54,7 @@ def kv_budget_tokens(cfg: RunConfig, bytes_per_token: int, device: torch.device)
         raise ValueError("config error at `hardware.kv_budget_tokens`: required on CPU (there is no "
                          "free GPU memory to take a mem_fraction of); e.g. hardware.kv_budget_tokens=4096")
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the weights' fp32 staging copies are cached, not used
     free, total = torch.cuda.mem_get_info(device)
     avail = free - total * (1.0 - hw.mem_fraction)  # SGLang's mem_fraction_static rule
     n = int(avail // bytes_per_token)
@@ -85,6 +87,8 @@ class Engine:
             raise ValueError("config error at `hardware.kv_budget_tokens`: required on CPU; "
                              "e.g. hardware.kv_budget_tokens=4096")
         self.cfg = cfg
+        if hw.device == "cuda" and cfg.tp > 1 and "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # torchrun: one GPU per rank
         self.tp = TPGroup(cfg.tp)
         self.device = torch.device(hw.device, torch.cuda.current_device()) if hw.device == "cuda" else torch.device("cpu")
         self.dtype = DTYPES[hw.dtype]
@@ -142,12 +146,8 @@ class Engine:
 
     def _serve(self, requests: list[Request], on_step) -> RunResult:
         self.storage.reset()
-        self.runner.reset()
+        self.runner.resize(max(len(r.prompt_ids) + r.output_len for r in requests))
         self.runner.eager_reasons = {}
-        width = max(len(r.prompt_ids) + r.output_len for r in requests)
-        if self.runner.table.shape[1] < width:
-            self.runner.table = torch.zeros(self.runner.pad_row + 1, width, dtype=torch.int64, device=self.device)
-            self.runner.reset()
         sched = Scheduler(self.storage, self.cfg.hardware, max_rows=self.runner.pad_row)
         sched.add([Seq(r, i) for i, r in enumerate(requests)])
         steps, t0 = [], time.perf_counter()
@@ -201,9 +201,19 @@ class Engine:
                     "num_tokens": sum(c.end - c.start for c in chunks), "meff": {}, "decisions": [],
                     "t_start_s": start_s, "step_time_s": dt}
         per_class = Counter(s.req.prefix_class for s in decode if s.req.shared_len > 0)
+        npad = info.get("padded_bs", len(decode)) - len(decode)
+        decisions = []
+        for d in getattr(self.backend, "last_decisions", []):
+            d = dict(d)
+            if npad and d.get("prefix_id") == info.get("pad_class", -1):  # CUDA-graph pad rows are not requests
+                d["batch"] -= npad
+                d["meff"] = d["batch"] * self.group
+                if d["batch"] <= 0:
+                    continue
+            decisions.append(d)
         return {"step": i, "kind": "decode", "batch_size": len(decode), "num_tokens": len(decode),
                 "meff": {str(c): n * self.group for c, n in sorted(per_class.items())},
-                "decisions": [dict(d) for d in getattr(self.backend, "last_decisions", [])],
+                "decisions": decisions,
                 "padded_bs": info.get("padded_bs", len(decode)), "cuda_graph": info.get("graph", False),
                 **({"eager_reason": info["eager_reason"]} if "eager_reason" in info else {}),
                 "t_start_s": start_s, "step_time_s": dt}

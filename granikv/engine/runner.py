@@ -8,8 +8,9 @@ the batch, so they are never recomputed.
 Decode: one token per running request. The slot table ``rows x max_len`` (SGLang's
 req_to_token) lives on the device; each step's ``kv_indices`` is gathered from it with no host
 sync, the backend is planned once (outside any graph), then the model runs per layer. Batches
-up to ``cuda_graph_max_bs`` are padded to the next captured size (pad rows read and write one
-scratch slot) and replayed from a CUDA graph captured lazily per (padded size, backend.graph_key());
+up to ``cuda_graph_max_bs`` are padded to the next captured size (pad rows are 1-token rows on one
+scratch slot, as in SGLang; for the batch-global cascade, whose level 0 needs a prefix common to
+every row, pad rows join the batch's single prefix class when there is one) and replayed from a CUDA graph captured lazily per (padded size, backend.graph_key());
 larger batches, CPU runs and backends that declare ``graph_safe = False`` run eagerly.
 """
 from __future__ import annotations
@@ -29,6 +30,28 @@ def graph_sizes(max_bs: int) -> list[int]:
     """Decode batch sizes to capture (SGLang's list shape: 1, 2, 4, 8, 12, 16, 24, then every 8)."""
     sizes = [1, 2, 4, 8, 12, 16, 24] + list(range(32, max_bs + 1, 8))
     return sorted({s for s in sizes if s <= max_bs} | ({max_bs} if max_bs else set()))
+
+
+class LogitProbe:
+    """Keeps fp32 decode logits of the first ``rows`` requests (by rid) for the first ``steps`` decode steps.
+
+    ``kept[(rid, k)]`` = logits ``[V]`` (CPU) that produced request ``rid``'s output token ``k``
+    (k >= 1; token 0 comes from prefill). For comparing systems' numerics on the GPU.
+    """
+
+    def __init__(self, rows: int, steps: int):
+        self.rows, self.steps, self.kept = rows, steps, {}
+        self._n = 0
+
+    def keep(self, seqs: list[Seq], logits: torch.Tensor) -> None:
+        if self._n >= self.steps:
+            return
+        self._n += 1
+        pick = [(i, s) for i, s in enumerate(seqs) if s.req.rid < self.rows]
+        if pick:
+            got = logits[torch.tensor([i for i, _ in pick], device=logits.device)].float().cpu()
+            for j, (_, s) in enumerate(pick):
+                self.kept[(s.req.rid, len(s.output_ids))] = got[j]
 
 
 class _WriteThen:
@@ -57,12 +80,16 @@ class ModelRunner:
         self.use_graphs = use_graphs and self.device.type == "cuda" and cuda_graph_max_bs > 0
         self.pad = pad or self.use_graphs
         self.sizes = graph_sizes(cuda_graph_max_bs) if self.pad else []
-        self.pad_row = max_rows
-        self.table = torch.zeros(max_rows + 1, max_len, dtype=torch.int64, device=self.device)  # [rows+1, max_len]
+        self.pad_row = max_rows           # table row of a 1-token pad request: [pad slot]
+        self.pad_class_row = max_rows + 1  # pad rows inside the batch's one prefix class: [prefix slots, pad slot]
+        self.pad_into_class = getattr(backend, "name", "") == "cascade"
+        self._pad_class = None            # Seq.order of the request whose prefix pad_class_row holds
+        self.table = torch.zeros(max_rows + 2, max_len, dtype=torch.int64, device=self.device)  # [rows+2, max_len]
         self.graphs: dict[tuple, tuple] = {}   # (padded bs, graph key) -> (graph, logits)
         self.graph_pool = None
         self.capture_s = 0.0
         self.eager_reasons: dict[str, int] = {}
+        self.logit_probe: LogitProbe | None = None  # set by benchmarks to keep some decode logits
         n = max(self.sizes, default=1)
         self.ids_buf = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.pos_buf = torch.zeros(n, dtype=torch.int64, device=self.device)
@@ -71,6 +98,13 @@ class ModelRunner:
 
     def reset(self) -> None:
         self.table[self.pad_row, 0] = self.storage.pad_slot
+        self._pad_class = None
+
+    def resize(self, max_len: int) -> None:
+        """Make the slot table at least ``max_len`` wide (per run; captured graphs do not read it)."""
+        if self.table.shape[1] < max_len:
+            self.table = torch.zeros(self.table.shape[0], max_len, dtype=torch.int64, device=self.device)
+        self.reset()
 
     def set_row(self, s: Seq) -> None:
         self.table[s.row, :s.slots.numel()] = s.slots
@@ -105,9 +139,25 @@ class ModelRunner:
     def _decode_batch(self, seqs: list[Seq], bs: int) -> tuple[DecodeBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
         """DecodeBatch of ``bs`` rows (pad rows after the real ones), with ids, positions and table rows [bs]."""
         dev, npad = self.device, bs - len(seqs)
-        pos = [s.prompt_len + len(s.output_ids) - 1 for s in seqs] + [0] * npad
-        rows = [s.row for s in seqs] + [self.pad_row] * npad
+        pos = [s.prompt_len + len(s.output_ids) - 1 for s in seqs]
+        rows = [s.row for s in seqs]
         ids = [s.output_ids[-1] for s in seqs] + [0] * npad
+        lp, pid, hs = [s.req.shared_len for s in seqs], [s.prefix_id for s in seqs], [s.hot_start for s in seqs]
+        s0 = seqs[0]
+        if npad and self.pad_into_class and s0.prefix_id >= 0 and all(p == s0.prefix_id for p in pid):
+            # The batch-global cascade needs a prefix common to ALL rows: pad rows join the one class
+            # (they read the prefix once more in level 0, and write only the scratch slot).
+            if self._pad_class != s0.order:
+                self.table[self.pad_class_row, :s0.req.shared_len] = s0.slots[:s0.req.shared_len]
+                self.table[self.pad_class_row, s0.req.shared_len] = self.storage.pad_slot
+                self._pad_class = s0.order
+            pos += [s0.req.shared_len] * npad
+            rows += [self.pad_class_row] * npad
+            lp, pid, hs = lp + [lp[0]] * npad, pid + [pid[0]] * npad, hs + [hs[0]] * npad
+        else:  # SGLang's padding: 1-token rows on a scratch slot
+            pos += [0] * npad
+            rows += [self.pad_row] * npad
+            lp, pid, hs = lp + [0] * npad, pid + [-1] * npad, hs + [-1] * npad
         lens = [p + 1 for p in pos]
         indptr = [0]
         for n in lens:
@@ -120,9 +170,7 @@ class ModelRunner:
         col = torch.arange(nnz, device=dev) - torch.repeat_interleave(indptr_d[:-1], lens_d, output_size=nnz)
         batch = DecodeBatch(
             kv_indptr=indptr_d, kv_indices=self.table[r, col],
-            prefix_lens=[s.req.shared_len for s in seqs] + [0] * npad,
-            prefix_ids=[s.prefix_id for s in seqs] + [-1] * npad,
-            hot_starts=[s.hot_start for s in seqs] + [-1] * npad)
+            prefix_lens=lp, prefix_ids=pid, hot_starts=hs)
         pos_d = torch.tensor(pos, dtype=torch.int64, device=dev)
         return batch, torch.tensor(ids, dtype=torch.int64, device=dev), pos_d, rows_d
 
@@ -133,9 +181,10 @@ class ModelRunner:
         i = bisect.bisect_left(self.sizes, n)
         bs = self.sizes[i] if self.pad and i < len(self.sizes) else n
         batch, ids, pos, rows = self._decode_batch(seqs, bs)
+        pad_class = batch.prefix_ids[-1] if bs > n else -1
         slots = self.table[rows, pos]                        # [bs] where this step's K/V go
         self.backend.plan(batch)
-        info = {"padded_bs": bs, "graph": False}
+        info = {"padded_bs": bs, "graph": False, "pad_class": pad_class}
         reason = None
         if self.use_graphs:
             if n > self.sizes[-1]:
@@ -151,6 +200,8 @@ class ModelRunner:
                 info["eager_reason"] = reason
             h = self.model(ids, pos, _WriteThen(self.kv, slots, self.backend))
             logits = self.model.logits(h)
+        if self.logit_probe is not None:
+            self.logit_probe.keep(seqs, logits[:n])
         return logits[:n].argmax(-1).tolist(), info
 
     def _replay(self, bs: int, ids, pos, slots) -> torch.Tensor:

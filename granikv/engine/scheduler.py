@@ -153,6 +153,15 @@ class Scheduler:
         bucket.append((tokens, cid))
         return cid
 
+    def _make_room(self, n: int) -> bool:
+        """Evict LRU unlocked prefixes until ``n`` COLD slots are free (evicting a HOT slab frees no
+        COLD slot, so one ``evict`` call may not be enough); False if that is impossible now."""
+        index, cold = self.storage.index, self.storage.kv.cold_pool
+        while cold.free_tokens < n:
+            if index.evict(n - cold.free_tokens) == 0:
+                return False
+        return True
+
     def _admit(self, s: Seq) -> bool:
         st, req = self.storage, s.req
         index, cold = st.index, st.kv.cold_pool
@@ -164,14 +173,16 @@ class Scheduler:
         try:
             own = torch.empty(0, dtype=torch.int64, device=st.kv.device)
             if own_n:
-                if cold.free_tokens < own_n:
-                    index.evict(own_n - cold.free_tokens)
-                if cold.free_tokens < own_n:
+                if not self._make_room(own_n):
                     return False
                 own = cold.alloc(own_n)
             pl = None
             if req.shared_len:
                 pl = st.admission.admit(prompt, req.shared_len)
+                if pl is None:  # make COLD room for the uncached part (the paged fallback) and retry once
+                    missing = req.shared_len - index.match(prompt[:req.shared_len]).length
+                    if self._make_room(missing):
+                        pl = st.admission.admit(prompt, req.shared_len)
                 if pl is None:
                     if own_n:
                         cold.free(own)

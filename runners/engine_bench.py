@@ -1,0 +1,342 @@
+"""End-to-end engine benchmark: one synthetic burst served by each system, plus numerics vs sglang_default.
+
+    python -m runners.engine_bench --model llama3_8b --hardware h200 --prefix-len 8192 --batch 256 \\
+        --output-len 128 --out results/raw/engine_bench
+    torchrun --nproc_per_node=2 -m runners.engine_bench --model qwen25_14b ...   # TP = world size
+
+For each system: a warm-up pass of the same workload (FlashInfer JIT, CUDA-graph capture, and a
+logit probe of the first decode steps), a measured pass (TTFT / TPOT / ITL / E2E, throughput,
+dispatch trace), and a short profiled pass (torch.profiler) from which the share of each decode
+step spent outside GPU kernels is read. Then each system's tokens (measured pass) and probed
+logits are compared with sglang_default's. Writes one serving cell per system
+(``<out>/<system>/{config,metrics}.json, requests.jsonl, steps.jsonl``) and ``<out>/summary.json``.
+Used until runners/run.py drives the engine; the metric definitions are DESIGN.md's.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from granikv import rawio
+from granikv.config import HardwareConfig, ModelConfig, RunConfig
+from granikv.engine.engine import Engine
+from granikv.engine.runner import LogitProbe
+from granikv.engine.systems import system_config
+from granikv.request import Request
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILTIN_MODELS = {  # used only when conf/model/<name>.yaml is absent (same values as those files)
+    "llama3_8b": dict(name="llama3_8b", arch="llama", hidden_size=4096, num_layers=32, num_heads=32,
+                      num_kv_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
+                      max_position_embeddings=131072, rope_theta=500000.0,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                      rms_norm_eps=1e-5),
+    "qwen25_14b": dict(name="qwen25_14b", arch="qwen2", hidden_size=5120, num_layers=48, num_heads=40,
+                       num_kv_heads=8, head_dim=128, intermediate_size=13824, vocab_size=152064,
+                       max_position_embeddings=32768, rope_theta=1e6, qkv_bias=True, rms_norm_eps=1e-5),
+    "qwen25_32b": dict(name="qwen25_32b", arch="qwen2", hidden_size=5120, num_layers=64, num_heads=40,
+                       num_kv_heads=8, head_dim=128, intermediate_size=27648, vocab_size=152064,
+                       max_position_embeddings=32768, rope_theta=1e6, qkv_bias=True, rms_norm_eps=1e-5),
+    "tiny": dict(name="tiny"),
+}
+BUILTIN_HW = {
+    "h200": dict(name="h200", device="cuda", dtype="bfloat16", gpu_name="NVIDIA H200", mem_fraction=0.88),
+    "cpu": dict(name="cpu", device="cpu", dtype="float32", cuda_graph_max_bs=0),
+}
+
+
+def _yaml(group: str, name: str) -> dict | None:
+    path = ROOT / "conf" / group / f"{name}.yaml"
+    if not path.exists():
+        return None
+    import yaml
+
+    d = yaml.safe_load(path.read_text()) or {}
+    d.pop("defaults", None)
+    return d
+
+
+def _fields(cls, d: dict) -> dict:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in d.items() if k in names}
+
+
+def load_model(name: str) -> ModelConfig:
+    d = _yaml("model", name) or BUILTIN_MODELS.get(name)
+    if d is None:
+        raise ValueError(f"--model: unknown model '{name}' (no conf/model/{name}.yaml; built in: {sorted(BUILTIN_MODELS)})")
+    return ModelConfig(**_fields(ModelConfig, d))
+
+
+def load_hardware(name: str, overrides: dict) -> HardwareConfig:
+    d = _yaml("hardware", name) or BUILTIN_HW.get(name)
+    if d is None:
+        raise ValueError(f"--hardware: unknown hardware '{name}' (no conf/hardware/{name}.yaml; built in: {sorted(BUILTIN_HW)})")
+    return HardwareConfig(**{**_fields(HardwareConfig, d), **{k: v for k, v in overrides.items() if v is not None}})
+
+
+def burst(seed: int, vocab: int, prefix_len: int, batch: int, suffix_len: int, output_len: int) -> list[Request]:
+    """One shared prefix of ``prefix_len`` tokens, ``batch`` unique suffixes, all arriving at t=0."""
+    rng = random.Random(seed)
+    pre = [rng.randrange(vocab) for _ in range(prefix_len)]
+    return [Request(i, pre + [rng.randrange(vocab) for _ in range(suffix_len)], output_len, 0.0,
+                    shared_len=prefix_len, prefix_class=0 if prefix_len else -1) for i in range(batch)]
+
+
+def _pct(xs: list[float], name: str) -> dict:
+    if not xs:
+        return {f"{name}_{s}_ms": None for s in ("mean", "p50", "p90", "p99")}
+    a = np.asarray(xs) * 1e3
+    return {f"{name}_mean_ms": float(a.mean()), f"{name}_p50_ms": float(np.percentile(a, 50)),
+            f"{name}_p90_ms": float(np.percentile(a, 90)), f"{name}_p99_ms": float(np.percentile(a, 99))}
+
+
+def serving_metrics(records, steps, stats) -> dict:
+    """DESIGN.md's definitions (vLLM / SGLang serving benchmarks), from per-token wall times."""
+    ttft = [r.token_times_s[0] - r.arrival_s for r in records]
+    tpot = [(r.token_times_s[-1] - r.token_times_s[0]) / (len(r.output_ids) - 1) for r in records if len(r.output_ids) > 1]
+    itl = [b - a for r in records for a, b in zip(r.token_times_s, r.token_times_s[1:])]
+    e2e = [r.token_times_s[-1] - r.arrival_s for r in records]
+    n_out = sum(len(r.output_ids) for r in records)
+    n_in = sum(r.prompt_len for r in records)
+    span = max(r.token_times_s[-1] for r in records) - min(r.arrival_s for r in records)
+    dec = [s["step_time_s"] for s in steps if s["kind"] == "decode"]
+    return {"num_requests": len(records), "num_input_tokens": n_in, "num_output_tokens": n_out, "duration_s": span,
+            "output_throughput_tok_s": n_out / span, "total_throughput_tok_s": (n_in + n_out) / span,
+            "request_throughput_req_s": len(records) / span,
+            **_pct(ttft, "ttft"), **_pct(tpot, "tpot"), **_pct(itl, "itl"), **_pct(e2e, "e2e"),
+            "decode_step_p50_ms": float(np.median(dec) * 1e3) if dec else None,
+            "dispatch_counts": stats["dispatch_counts"],
+            **{k: stats[k] for k in ("kv_budget_tokens", "hot_capacity_tokens", "cold_capacity_tokens",
+                                     "hot_peak_tokens", "cold_peak_tokens", "evicted_tokens", "admissions",
+                                     "cuda_graph_sizes_captured", "cuda_graphs_captured", "eager_decode_reasons")}}
+
+
+def _busy(kern: list[tuple[float, float]], a: float, b: float) -> tuple[float, int]:
+    """Union length of kernel intervals clipped to [a, b], and how many kernels overlap it."""
+    busy, n, cur_s, cur_e = 0.0, 0, None, None
+    for s, e in kern:
+        s, e = max(s, a), min(e, b)
+        if e <= s:
+            continue
+        n += 1
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    return busy, n
+
+
+def outside_kernel_share(trace_path: str) -> dict:
+    """Share of decode time with no GPU kernel running, from a torch.profiler chrome trace.
+
+    ``loop``: each decode step's window runs from its start to the next step's start, so the
+    scheduler and bookkeeping between forwards count (the headline number); ``forward``: the
+    ``decode_step`` annotation alone (plan + forward + sampling sync).
+    """
+    with open(trace_path) as f:
+        ev = json.load(f).get("traceEvents", [])
+    marks = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev if e.get("cat") == "user_annotation"
+                   and e.get("name") in ("decode_step", "prefill_step") and "dur" in e)
+    kern = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") == "kernel" and "dur" in e)
+    dec = [(i, m) for i, m in enumerate(marks) if m[2] == "decode_step"]
+    if not dec or not kern:
+        return {"measured": False, "reason": f"trace has {len(dec)} decode_step annotations and {len(kern)} kernels"}
+    loop, fwd, n_in = [], [], 0
+    for i, (a, b, _) in dec:
+        end = marks[i + 1][0] if i + 1 < len(marks) else b
+        busy, n = _busy(kern, a, end)
+        n_in += n
+        loop.append(1.0 - busy / (end - a))
+        busy, _ = _busy(kern, a, b)
+        fwd.append(1.0 - busy / (b - a))
+    if n_in == 0:
+        return {"measured": False, "reason": f"no GPU kernel inside {len(dec)} decode steps "
+                                             "(graph-launched kernels not recorded by this profiler?)"}
+    return {"measured": True, "decode_steps": len(loop), "kernels_in_decode_steps": n_in,
+            "outside_kernel_share_mean": float(np.mean(loop)), "outside_kernel_share_p50": float(np.median(loop)),
+            "forward_outside_kernel_share_mean": float(np.mean(fwd)),
+            "step_us_p50": float(np.median([b - a for _, (a, b, _) in dec]))}
+
+
+def agreement(base: dict, other: dict) -> dict:
+    """Token agreement and max |logit diff| (on steps whose token history agrees) vs the baseline."""
+    same = total = ident = 0
+    first_div = []
+    for ra, rb in zip(base["records"], other["records"]):
+        a, b = ra.output_ids, rb.output_ids
+        total += len(a)
+        same += sum(x == y for x, y in zip(a, b))
+        ident += a == b
+        first_div.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)))
+    outs = {r.rid: r.output_ids for r in base["records"]}
+    outs_b = {r.rid: r.output_ids for r in other["records"]}
+    diffs = [float((lb - base["logits"][key]).abs().max()) for key, lb in other["logits"].items()
+             if key in base["logits"] and outs[key[0]][:key[1]] == outs_b[key[0]][:key[1]]]
+    return {"token_agreement": same / total, "identical_requests": ident / len(first_div),
+            "first_divergence_mean": float(np.mean(first_div)),
+            "max_logit_diff": max(diffs) if diffs else None, "logit_positions_compared": len(diffs)}
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def say(msg: str) -> None:
+    if _rank() == 0:
+        print(msg, flush=True)
+
+
+def init_tp(hw: HardwareConfig) -> int:
+    """Under torchrun (WORLD_SIZE > 1): one process group (nccl on GPU, gloo on CPU); returns the TP size."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        import torch.distributed as dist
+
+        if hw.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if hw.device == "cuda" else "gloo")
+    return world
+
+
+def bench_system(name: str, args, model: ModelConfig, hw: HardwareConfig, out: Path) -> dict:
+    cfg = RunConfig(model=model, system=system_config(name), hardware=hw, seed=args.seed, sweep_name="engine_bench",
+                    tp=args.tp)
+    t = time.perf_counter()
+    engine = Engine(cfg)
+    build_s = time.perf_counter() - t
+    reqs = burst(args.seed, model.vocab_size, args.prefix_len, args.batch, args.suffix_len, args.output_len)
+    say(f"[{name}] built in {build_s:.1f}s; kv budget {engine.kv.capacity_tokens} tokens")
+    engine.runner.logit_probe = LogitProbe(rows=args.probe_rows, steps=args.probe_steps)
+    t = time.perf_counter()
+    warm = engine.run(reqs)  # warm-up: JIT, graph capture, logit probe
+    engine.runner.logit_probe, probe = None, engine.runner.logit_probe
+    say(f"[{name}] warm-up pass {time.perf_counter() - t:.1f}s")
+    res = engine.run(reqs)
+    metrics = serving_metrics(res.records, res.steps, res.stats)
+    metrics["build_s"] = build_s
+    say(f"[{name}] TPOT p50 {metrics['tpot_p50_ms']:.2f} ms, output {metrics['output_throughput_tok_s']:.0f} tok/s, "
+          f"dispatch {metrics['dispatch_counts']}, graphs {metrics['cuda_graph_sizes_captured']}")
+    prof = {"measured": False, "reason": "--profile-output-len 0"}
+    if args.profile_output_len > 0:
+        preqs = burst(args.seed, model.vocab_size, args.prefix_len, args.batch, args.suffix_len, args.profile_output_len)
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                        if engine.device.type == "cuda" else [])
+        with torch.profiler.profile(activities=acts) as p:
+            engine.run(preqs)
+        with tempfile.TemporaryDirectory() as d:  # every rank parses its own trace; rank 0's is written
+            path = os.path.join(d, "trace.json")
+            p.export_chrome_trace(path)
+            prof = outside_kernel_share(path)
+    metrics["profile"] = prof
+    kept = {"records": res.records, "logits": probe.kept, "warm_records": warm.records}
+    if _rank() == 0:
+        write_cell(out / name, cfg, args, res, metrics)
+    del engine, warm, res
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"metrics": metrics, **kept}
+
+
+def write_cell(cell: Path, cfg: RunConfig, args, res, metrics: dict) -> None:
+    conf = {"config": dataclasses.asdict(cfg), "bench": vars(args), "provenance": rawio.provenance()}
+    rawio.write_json(cell / "config.json", conf)
+    rawio.write_jsonl(cell / "requests.jsonl", [
+        {"rid": r.rid, "arrival_s": r.arrival_s, "prompt_len": r.prompt_len, "output_len": len(r.output_ids),
+         "first_token_s": r.first_token_s, "finish_s": r.finish_s, "cached_len": r.cached_len,
+         "prefix_class": r.prefix_class, "prefix_where": r.prefix_where, "output_ids": r.output_ids,
+         "token_times_s": r.token_times_s} for r in res.records])
+    rawio.write_jsonl(cell / "steps.jsonl", res.steps)
+    rawio.write_json(cell / "metrics.json", metrics)
+
+
+def main(argv=None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama3_8b")
+    ap.add_argument("--hardware", default="h200")
+    ap.add_argument("--systems", default="sglang_default,sglang_cascade,hydragen,granikv")
+    ap.add_argument("--prefix-len", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--suffix-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--profile-output-len", type=int, default=12, help="decode steps of the profiled pass (0 = skip)")
+    ap.add_argument("--probe-rows", type=int, default=8)
+    ap.add_argument("--probe-steps", type=int, default=16)
+    ap.add_argument("--kv-budget-tokens", type=int, default=None)
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=None, help="override (0 = no CUDA graphs)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="results/raw/engine_bench")
+    args = ap.parse_args(argv)
+    model = load_model(args.model)
+    hw = load_hardware(args.hardware, {"kv_budget_tokens": args.kv_budget_tokens,
+                                       "cuda_graph_max_bs": args.cuda_graph_max_bs})
+    args.tp = init_tp(hw)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    for s in systems:
+        system_config(s)  # unknown names fail before any work
+    if "sglang_default" not in systems:
+        raise ValueError("--systems must include sglang_default (the numerics baseline)")
+    out = Path(args.out)
+    if hw.device == "cuda" and not hw.decision_table:
+        say("NOTE: hardware has no decision_table: granikv dispatches by the paper's rule (Meff >= 1024 -> dense)")
+    got, failed = {}, {}
+    for s in systems:
+        try:
+            got[s] = bench_system(s, args, model, hw, out)
+        except Exception as e:  # noqa: BLE001 - one system's failure must not lose the others
+            import traceback
+
+            failed[s] = f"{type(e).__name__}: {e}"
+            print(f"[{s}] rank {_rank()} FAILED: {failed[s]}", flush=True)
+            if _rank() == 0:
+                rawio.write_json(out / s / "failure.json", {"error": failed[s], "traceback": traceback.format_exc(),
+                                                           "bench": vars(args), "provenance": rawio.provenance()})
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    base = got.get("sglang_default")
+    summary = {"provenance": rawio.provenance(), "bench": vars(args), "failed": failed,
+               "decision_table": bool(hw.decision_table), "systems": {}}
+    for s, g in got.items():
+        m = g["metrics"]
+        summary["systems"][s] = {
+            "tpot_p50_ms": m["tpot_p50_ms"], "output_throughput_tok_s": m["output_throughput_tok_s"],
+            "ttft_p50_ms": m["ttft_p50_ms"], "decode_step_p50_ms": m["decode_step_p50_ms"],
+            "outside_kernel_share": m["profile"].get("outside_kernel_share_mean"), "profile": m["profile"],
+            "dispatch_counts": m["dispatch_counts"], "cuda_graph_sizes_captured": m["cuda_graph_sizes_captured"],
+            "eager_decode_reasons": m["eager_decode_reasons"],
+            "vs_sglang_default": agreement(base, g) if base else None,
+            "warmup_vs_measured_token_agreement": agreement({"records": g["warm_records"], "logits": {}},
+                                                            {"records": g["records"], "logits": {}})["token_agreement"]}
+    if _rank() == 0:
+        rawio.write_json(out / "summary.json", summary)
+    say(json.dumps({s: {k: v for k, v in d.items() if k != "profile"} for s, d in summary["systems"].items()},
+                   indent=1, default=str))
+    say(f"wrote {out}" + (f"; FAILED: {sorted(failed)}" if failed else ""))
+    if failed:
+        raise SystemExit(1)
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Shared GPU-host environment for runners/gpu/*.sh (source it; do not run it).
+#
+# Sets up, from files the lead carries into the repository root (all git-ignored):
+#   .gpu_site/flashinfer-0.7.2.post1.tar.xz   FlashInfer (python package tree), extracted into .gpu_site/site
+#   .whl/apache_tvm_ffi-*.whl                  installed --no-deps into .gpu_site/site
+#   .fi_cache/parts/fi_cache.tar.xz.part-*     the FlashInfer JIT cache (restored when present)
+# and exports PY, PYTHONPATH, FLASHINFER_WORKSPACE_BASE, OUT, the NCCL settings of the host, and
+# helpers: log, left (seconds left of BUDGET_S minus PACK_RESERVE_S), pack_fi_cache MAX_PARTS.
+# Same steps as runners/gpu/attention.sh's environment section (ATTN), shared so they cannot drift.
+T0=${T0:-$(date +%s)}
+BUDGET_S=${GRANIKV_BUDGET_S:-540}
+PACK_RESERVE_S=${GRANIKV_PACK_RESERVE_S:-60}
+OUT=${OUT:-$PWD/.out}
+mkdir -p "$OUT"
+ROOT=$PWD
+GPU_LOG_TAG=${GPU_LOG_TAG:-gpu}
+left() { echo $(( BUDGET_S - PACK_RESERVE_S - ($(date +%s) - T0) )); }
+log() { echo "[$GPU_LOG_TAG +$(( $(date +%s) - T0 ))s] $*"; }
+
+export GRANIKV_GIT_COMMIT=${GRANIKV_GIT_COMMIT:-unknown}
+export GRANIKV_GIT_DIRTY=${GRANIKV_GIT_DIRTY:-unknown}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export MAX_JOBS=${MAX_JOBS:-16} FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
+export FLASHINFER_WORKSPACE_BASE=$ROOT/.fi_cache
+SITE=$ROOT/.gpu_site/site
+PY=${PYTHON:-python3}
+
+gpu_env_setup() {
+  mkdir -p "$SITE" "$FLASHINFER_WORKSPACE_BASE"
+  if [ ! -d "$SITE/flashinfer" ]; then
+    local FI_TAR
+    FI_TAR=$(ls "$ROOT"/.gpu_site/flashinfer-*.tar.xz 2>/dev/null | head -1)
+    [ -n "$FI_TAR" ] || { echo "ERROR: .gpu_site/flashinfer-0.7.2.post1.tar.xz not carried"; return 2; }
+    tar -xJf "$FI_TAR" -C "$SITE" || { echo "ERROR: could not extract $FI_TAR"; return 2; }
+  fi
+  if [ ! -d "$SITE/tvm_ffi" ]; then
+    local WHL
+    WHL=$(ls "$ROOT"/.whl/apache_tvm_ffi-*.whl 2>/dev/null | head -1)
+    [ -n "$WHL" ] || { echo "ERROR: .whl/apache_tvm_ffi-*.whl not carried"; return 2; }
+    $PY -m pip install -q --no-deps --target "$SITE" "$WHL" || { echo "ERROR: pip install $WHL failed"; return 2; }
+  fi
+  if ls "$FLASHINFER_WORKSPACE_BASE"/parts/fi_cache.tar.xz.part-* >/dev/null 2>&1 && [ ! -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then
+    cat "$FLASHINFER_WORKSPACE_BASE"/parts/fi_cache.tar.xz.part-* | tar -xJ -C "$FLASHINFER_WORKSPACE_BASE" \
+      && log "restored the FlashInfer JIT cache" || log "WARNING: could not restore the JIT cache (cold build)"
+  fi
+  export PYTHONPATH=$ROOT:$SITE:$ROOT/.gpu_site/py${PYTHONPATH:+:$PYTHONPATH}
+  $PY - <<'PYEOF' || { echo "ERROR: environment check failed (see above)"; return 2; }
+import torch, flashinfer, granikv
+print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.get_device_name(0))
+print("flashinfer", flashinfer.__version__, flashinfer.__file__)
+print("granikv", granikv.__file__)
+PYEOF
+  log "environment ready"
+}
+
+# Pack the JIT cache into $OUT as <= MAX_PARTS parts of 14 MB (dropped, with a warning, if larger).
+# Object files become empty stubs with the same mtime (ninja then needs only the .so files).
+pack_fi_cache() {
+  local MAX_PARTS=${1:-5}
+  [ -d "$FLASHINFER_WORKSPACE_BASE/.cache" ] || return 0
+  local STAGE
+  STAGE=$(mktemp -d)
+  cp -a "$FLASHINFER_WORKSPACE_BASE/.cache" "$STAGE/"
+  find "$STAGE/.cache" -name '*.o' -size +0 | while read -r o; do t=$(stat -c %y "$o"); : > "$o"; touch -d "$t" "$o"; done
+  find "$STAGE/.cache" -name '*.lock' -delete
+  tar --format=posix -C "$STAGE" -cf - .cache | xz -T16 -6 > "$STAGE/fi_cache.tar.xz"
+  rm -f "$OUT"/fi_cache.tar.xz.part-*
+  split -b 14m "$STAGE/fi_cache.tar.xz" "$OUT/fi_cache.tar.xz.part-"
+  local NP
+  NP=$(ls "$OUT"/fi_cache.tar.xz.part-* | wc -l)
+  if [ "$NP" -gt "$MAX_PARTS" ]; then
+    log "WARNING: JIT cache needs $NP parts (> $MAX_PARTS allowed); dropping it from \$OUT"
+    rm -f "$OUT"/fi_cache.tar.xz.part-*
+  fi
+  rm -rf "$STAGE"
+}

@@ -1,0 +1,275 @@
+"""The engine end to end on CPU (fp32, tiny model, greedy): tokens equal the no-cache reference.
+
+Every system (and the ablations) must reproduce, token for token, a plain full-sequence forward
+with no KV cache, over several seeds, with prefix hits, chunked prefill, evictions under a small
+KV budget, mixed prefix classes, requests without a prefix, arrivals over time, padded batches,
+and tensor parallelism (TP=2 and TP=4 on gloo, CPU processes).
+"""
+from __future__ import annotations
+
+import os
+import random
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from granikv.config import HardwareConfig, ModelConfig, RunConfig
+from granikv.engine.engine import Engine
+from granikv.engine.systems import ABLATIONS, SYSTEMS, system_config
+from granikv.request import Request
+
+pytestmark = pytest.mark.filterwarnings("ignore:no decision-table rules:RuntimeWarning")
+
+TINY = dict(hidden_size=64, num_layers=2, num_heads=16, num_kv_heads=4, head_dim=16, intermediate_size=128,
+            vocab_size=512, max_position_embeddings=1024)
+
+
+def make_cfg(system="granikv", budget=4096, chunk=8192, tp=1, seed=0, model=None, **hw) -> RunConfig:
+    return RunConfig(model=model or ModelConfig(**TINY), system=system_config(system),
+                     hardware=HardwareConfig(kv_budget_tokens=budget, chunked_prefill_size=chunk, **hw),
+                     tp=tp, seed=seed)
+
+
+def workload(seed: int, n: int = 10, k: int = 3, lp=(40, 96), no_prefix: int = 2, out=(1, 9),
+             spread: float = 0.0) -> list[Request]:
+    """k prefix classes of random lengths, unique suffixes, a few prefix-less requests, shuffled order."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(512) for _ in range(rng.randrange(*lp))] for _ in range(k)]
+    reqs = []
+    for i in range(n):
+        c = i % k if i >= no_prefix else -1
+        pre = prefixes[c] if c >= 0 else []
+        suffix = [rng.randrange(512) for _ in range(rng.randrange(1, 24))]
+        reqs.append(Request(i, pre + suffix, rng.randrange(*out), arrival_s=rng.random() * spread,
+                            shared_len=len(pre), prefix_class=c))
+    return reqs
+
+
+_REF_CACHE: dict = {}
+
+
+def reference(engine: Engine, reqs: list[Request], key) -> list[list[int]]:
+    if key not in _REF_CACHE:
+        _REF_CACHE[key] = [engine.generate_reference(r.prompt_ids, r.output_len) for r in reqs]
+    return _REF_CACHE[key]
+
+
+def check_tokens(res, reqs, ref):
+    assert [r.rid for r in res.records] == [r.rid for r in reqs]
+    for r, rec, want in zip(reqs, res.records, ref):
+        assert rec.output_ids == want, f"request {r.rid} (class {r.prefix_class}, {rec.prefix_where})"
+        assert len(rec.token_times_s) == r.output_len
+        assert rec.token_times_s == sorted(rec.token_times_s)
+        assert rec.token_times_s[0] >= rec.arrival_s
+
+
+def check_no_leak(engine: Engine):
+    st = engine.storage
+    assert all(n.lock_ref == 0 for n in st.index.nodes()), "a prefix is still locked after the run"
+    cold_cached = sum(len(n) for n in st.index.nodes() if n.slab is None)
+    assert engine.kv.cold_pool.used_tokens == cold_cached + 1  # + the padding scratch slot
+
+
+ALL = list(SYSTEMS) + list(ABLATIONS)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_system_matches_reference(seed):
+    """Prefix hits, mixed classes, prefix-less requests, chunked prefill of long prompts."""
+    reqs = workload(seed, n=10, k=3)
+    ref = None
+    for name in ALL:
+        eng = Engine(make_cfg(name, chunk=48, seed=seed))
+        ref = ref or reference(eng, reqs, ("base", seed))
+        res = eng.run(reqs)
+        check_tokens(res, reqs, ref)
+        check_no_leak(eng)
+        hits = [r for r in res.records if r.prefix_where == "hit"]
+        assert hits and all(r.cached_len > 0 for r in hits)
+        assert sum(s["kind"] == "decode" for s in res.steps) > 0
+        if name == "granikv_dense_only":
+            assert res.stats["dispatch_counts"].get("dense", 0) > 0
+        if name in ("sglang_default", "sglang_cascade", "hydragen", "granikv_no_hot"):
+            assert res.stats["hot_capacity_tokens"] == 0 and "hot" not in res.stats["admissions"]
+        if name == "granikv":
+            assert res.stats["admissions"].get("hot", 0) > 0
+
+
+def test_prefix_hits_are_not_recomputed():
+    """A burst sharing one prefix: it is prefilled once; the others only compute their suffixes,
+    and only once the prefix KV is written (here: after the chunk that completes it)."""
+    rng = random.Random(5)
+    pre = [rng.randrange(512) for _ in range(120)]
+    reqs = [Request(i, pre + [rng.randrange(512) for _ in range(7)], 4, shared_len=120, prefix_class=0)
+            for i in range(6)]
+    for name in SYSTEMS:
+        eng = Engine(make_cfg(name, chunk=50))  # prefix > chunk: the sharers must wait for its KV
+        res = eng.run(reqs)
+        check_tokens(res, reqs, reference(eng, reqs, "burst"))
+        prefill_tokens = sum(s["num_tokens"] for s in res.steps if s["kind"] == "prefill")
+        assert prefill_tokens == 120 + 6 * 7
+        assert [r.cached_len for r in res.records] == [0] + [120] * 5
+        # the sharers' prefill starts only after the prefix's last chunk
+        first_sharer_step = next(i for i, s in enumerate(res.steps) if s["kind"] == "prefill" and s["batch_size"] > 1)
+        assert sum(s["num_tokens"] for s in res.steps[:first_sharer_step]) >= 120
+
+
+@pytest.mark.parametrize("name,hot", [("sglang_default", 0.0), ("granikv", 0.2), ("granikv", 0.5)])
+def test_evictions_under_small_budget(name, hot):
+    """Four prefix classes served in waves with room for about two prefixes: LRU eviction, same tokens."""
+    reqs = workload(11, n=12, k=4, lp=(70, 90), no_prefix=0, out=(2, 6))
+    for i, r in enumerate(reqs):
+        r.arrival_s = 0.01 * (i // 3)  # waves of three
+    cfg = make_cfg(name, budget=400 if hot == 0.5 else 330, max_running_requests=3)
+    cfg.system.hot_fraction = hot
+    eng = Engine(cfg)
+    res = eng.run(reqs)
+    if hot == 0.5:  # HOT holds two prefixes; later ones fall back to COLD (no demotion), slabs get evicted
+        assert res.stats["admissions"].get("hot", 0) >= 2 and res.stats["admissions"].get("cold", 0) >= 1
+    check_tokens(res, reqs, reference(eng, reqs, "evict"))
+    assert res.stats["evicted_tokens"] > 0
+    assert res.stats["cold_peak_tokens"] <= res.stats["cold_capacity_tokens"]
+    check_no_leak(eng)
+
+
+def test_arrivals_are_respected():
+    reqs = workload(3, n=5, k=2, spread=0.0)
+    for i, r in enumerate(reqs):
+        r.arrival_s = 0.04 * i
+    eng = Engine(make_cfg("granikv"))
+    t0 = time.perf_counter()
+    res = eng.run(reqs)
+    assert time.perf_counter() - t0 >= 0.16
+    check_tokens(res, reqs, reference(eng, reqs, "arrivals"))
+    for r, rec in zip(reqs, res.records):
+        assert rec.arrival_s == r.arrival_s and rec.token_times_s[0] >= r.arrival_s
+
+
+def test_padded_batches_and_step_records():
+    """Decode batches padded to graph sizes (3 -> 4, 5 -> 8) give the same tokens; steps are JSON rows."""
+    import json
+
+    reqs = workload(4, n=5, k=2, out=(6, 10))
+    eng = Engine(make_cfg("granikv_dense_only", cuda_graph_max_bs=8), pad_batches=True)
+    res = eng.run(reqs)
+    check_tokens(res, reqs, reference(eng, reqs, "pad"))
+    dec = [s for s in res.steps if s["kind"] == "decode"]
+    assert any(s["padded_bs"] > s["batch_size"] for s in dec)
+    for s in dec:
+        assert s["padded_bs"] in (1, 2, 4, 8) and s["padded_bs"] >= s["batch_size"]
+        assert s["decisions"] and sum(s["meff"].values()) == 4 * sum(
+            d["batch"] for d in s["decisions"] if d["prefix_id"] >= 0)
+        assert sum(d["batch"] for d in s["decisions"]) == s["batch_size"]  # pad rows are not counted
+    json.dumps(res.steps)
+    assert [s["step"] for s in res.steps] == list(range(len(res.steps)))
+
+
+def test_qwen2_and_llama3_rope_models():
+    reqs = workload(6, n=5, k=2)
+    qwen = ModelConfig(**{**TINY, "arch": "qwen2", "qkv_bias": True, "rope_theta": 1e6})
+    llama = ModelConfig(**{**TINY, "rope_theta": 5e5, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}})
+    for m in (qwen, llama):
+        for name in ("sglang_default", "granikv"):
+            eng = Engine(make_cfg(name, model=m, chunk=40))
+            check_tokens(eng.run(reqs), reqs, reference(eng, reqs, m.arch))
+
+
+def test_warmup_is_excluded():
+    reqs = workload(7, n=4, k=1)
+    cfg = make_cfg("granikv")
+    cfg.warmup_requests = 2
+    eng = Engine(cfg)
+    res = eng.run(reqs)
+    check_tokens(res, reqs, reference(eng, reqs, "warm"))
+    assert res.stats["warmup"]["requests"] == 2
+    assert res.records[0].prefix_where in ("hot", "cold", "none")  # cache was reset after warm-up
+
+
+# ---------------------------------------------------------------------- bad input
+def test_bad_inputs_fail_before_work():
+    with pytest.raises(ValueError, match="tp"):
+        make_cfg(tp=3)
+    with pytest.raises(ValueError, match="model.arch"):
+        ModelConfig(arch="gpt2")
+    m = ModelConfig(**TINY)
+    m.arch = "mamba"  # mutated after validation: the engine checks again
+    with pytest.raises(ValueError, match="unknown model architecture"):
+        Engine(make_cfg(model=m))
+    cfg = make_cfg()
+    cfg.hardware.kv_budget_tokens = None
+    with pytest.raises(ValueError, match="kv_budget_tokens"):
+        Engine(cfg)
+    with pytest.raises(ValueError, match="hot_fraction"):
+        s = system_config("sglang_default")
+        s.hot_fraction = 0.2
+        Engine(RunConfig(model=ModelConfig(**TINY), system=s, hardware=HardwareConfig(kv_budget_tokens=512)))
+    calls = []
+    eng = Engine(make_cfg("granikv", budget=100))
+    big = [Request(0, [1] * 30, 4), Request(1, [2] * 50 + [3] * 60, 4, shared_len=50)]
+    with pytest.raises(ValueError, match="kv_budget_tokens"):
+        eng.run(big, on_step=calls.append)
+    long = [Request(0, [1] * 1020, 8)]
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        Engine(make_cfg()).run(long, on_step=calls.append)
+    with pytest.raises(ValueError, match="vocab"):
+        Engine(make_cfg()).run([Request(0, [600], 2)], on_step=calls.append)
+    assert calls == []
+
+
+# ---------------------------------------------------------------------- tensor parallel
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_worker(rank, world, port, names, reqs, out):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        res = {}
+        for name in names:
+            eng = Engine(make_cfg(name, chunk=48, tp=world))
+            res[name] = [r.output_ids for r in eng.run(reqs).records]
+        res["reference"] = [eng.generate_reference(r.prompt_ids, r.output_len) for r in reqs[:3]]
+        out.put((rank, res))
+    except BaseException as e:  # report instead of leaving the parent waiting
+        out.put((rank, f"{type(e).__name__}: {e}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_matches_tp1(world):
+    reqs = workload(8, n=6, k=2, spread=0.02)
+    names = ["sglang_default", "granikv"]
+    want = {}
+    for name in names:
+        eng = Engine(make_cfg(name, chunk=48))
+        want[name] = [r.output_ids for r in eng.run(reqs).records]
+    assert want["sglang_default"] == want["granikv"]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_tp_worker, args=(r, world, port, names, reqs, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=90) for _ in procs)
+    errors = {r: v for r, v in got.items() if isinstance(v, str)}
+    assert not errors, errors
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    for rank in range(world):
+        for name in names:
+            assert got[rank][name] == want[name], f"tp={world} rank {rank} {name}"
+        assert got[rank]["reference"] == want["granikv"][:3]
