@@ -29,6 +29,18 @@ def _run(module: str, args: list[str]) -> None:
         pytest.fail(f"`python -m {module} {' '.join(args)}` failed ({p.returncode}):\n{p.stderr[-3000:]}")
 
 
+def _failed_cell(root: Path) -> None:
+    """A cell whose KV budget cannot hold its requests, run as one sweep job (as a SLURM array job
+    runs it): runners.run records failure.json for it (the CLI would refuse the sweep up front)."""
+    from hydra import compose, initialize_config_dir
+
+    from runners.run import run_cell
+    ov = [*SERVING, "system=granikv", "workload.prefix_len=64", "hardware.kv_budget_tokens=16"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*ov, "sweep_name=budget", f"results_dir={root}"])
+    run_cell(cfg, ov, multirun=True)
+
+
 @pytest.fixture(scope="session")
 def raw(tmp_path_factory) -> Path:
     """Raw folders from the CPU runners: 2 systems x 2 Lp (synthetic, B=4), GraniKV at B=2 (plain
@@ -43,8 +55,7 @@ def raw(tmp_path_factory) -> Path:
                          "sweep_name=grid", f"results_dir={root}"])
     _run("runners.run", ["-m", *SERVING, "system=granikv", "workload.prefix_len=64", "workload.batch=2",
                          "profile_steps=0,2", "sweep_name=grid", f"results_dir={root}"])
-    _run("runners.run", ["-m", *SERVING, "system=granikv", "workload.prefix_len=64", "hardware.kv_budget_tokens=16",
-                         "sweep_name=budget", f"results_dir={root}"])
+    _failed_cell(root)
     _run("runners.kernel_bench", ["sweep_name=kernel", f"results_dir={root}",
                                   "cells=[layout-tiny_g4-lp64-b8,dispatch_cost]"])
     return root
