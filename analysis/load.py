@@ -82,6 +82,14 @@ def _read_dict(path: Path) -> dict:
     return obj
 
 
+def _read_config(path: Path) -> dict:
+    """config.json; runners.engine_bench nests the RunConfig under ``config`` (lifted to the top)."""
+    cfg = _read_dict(path)
+    if isinstance(cfg.get("config"), dict) and "model" not in cfg:
+        cfg = {**cfg["config"], **{k: v for k, v in cfg.items() if k != "config"}}
+    return cfg
+
+
 def cell_kind(cell: Path, config: dict) -> str:
     """``config['cell_kind']`` when given, else ``kernel`` for a folder with kernel.jsonl, else ``serving``."""
     kind = config.get("cell_kind")
@@ -119,7 +127,7 @@ def _load_cell(root: Path, cell: Path) -> tuple[str, dict, list[dict], list[str]
     rel = cell.relative_to(root)
     base = {"sweep": str(rel.parent) if str(rel.parent) != "." else "", "cell_id": cell.name, "path": str(rel)}
     cfg_path = cell / "config.json"
-    config = _read_dict(cfg_path) if cfg_path.exists() else None
+    config = _read_config(cfg_path) if cfg_path.exists() else None
     if (cell / "metrics.json").exists():
         _need(config is not None, cfg_path, "<file>", "is missing beside metrics.json (a finished cell needs its config)")
         check_config(cfg_path, config)
