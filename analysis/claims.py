@@ -109,9 +109,9 @@ class Context:
 
     def frame(self, name: str) -> pd.DataFrame:
         if name not in self._frames:
-            if name == "cells":
+            if name == "cells":  # serving cells without profiler / nsys instrumentation
                 df = with_dispatch(self.res.cells)
-                df = select(df, {"instrumented": "=False"}) if not df.empty else df
+                df = select(df, {"kind": "=serving", "instrumented": "=False"}) if not df.empty else df
             elif name == "kernels":
                 from analysis.kernel import kernel_frame
                 df = kernel_frame(self.res)
@@ -135,9 +135,9 @@ def why_empty(df: pd.DataFrame, sel: dict[str, str], what: str) -> str:
             return f"no {what} has `{key}`"
         nxt = select(cur, {key: cond})
         if nxt.empty:
-            vals = sorted({show(v) for v in cur[key].dropna().unique()})
-            shown = ", ".join(vals[:8]) + (" ..." if len(vals) > 8 else "")
-            return f"no {what} with {key}{cond} (among {len(cur)} matching the rest: {key} in {{{shown}}})"
+            vals = sorted(cur[key].dropna().unique(), key=lambda v: (isinstance(v, str), v if not isinstance(v, str) else 0, str(v)))
+            shown = ", ".join(show(v) for v in vals[:8]) + (" ..." if len(vals) > 8 else "")
+            return f"no {what} with {key}{cond} (the {len(cur)} {what}s that pass the selectors before it have {key} in {{{shown}}})"
         cur = nxt
     return f"no {what} matched"
 
@@ -150,7 +150,7 @@ def _gpus(*dfs: pd.DataFrame) -> list[str]:
     return sorted(out)
 
 
-WHAT = {"cells": "cell", "kernels": "kernel row", "trace": "profiled cell with a trace.json",
+WHAT = {"cells": "cell", "kernels": "kernel row", "trace": "profiled cell",
         "steps": "dispatch_overhead cell"}
 
 

@@ -25,7 +25,7 @@ def hardware_summary(res: Results) -> list[str]:
     d = d.fillna({"provenance.gpu_name": "no GPU (CPU)"})
     out = []
     for (g, n), grp in d.groupby(["provenance.gpu_name", "provenance.gpu_count"], dropna=False, sort=True):
-        out.append(f"{g} x{fmt(n)}: {len(grp)} cells")
+        out.append(f"{g}{f' x{fmt(n)}' if n and n == n else ''}: {len(grp)} cells")
     return out
 
 
