@@ -10,7 +10,7 @@ import pandas as pd
 
 from analysis.amdahl import amdahl, amdahl_frame
 from analysis.claims import NOT_REPRODUCED, REPRODUCED, evaluate, paper_shown
-from analysis.common import NOT_MEASURED, PAPER_HARDWARE, config_label, fmt, select, write_table
+from analysis.common import NOT_MEASURED, PAPER_HARDWARE, config_label, fmt, select, show, write_table
 from analysis.kernel import LAYOUT_BASE, LAYOUT_NUM, kernel_frame, layout_speedup
 from analysis.load import Results
 
@@ -41,12 +41,14 @@ def roofline_line(res: Results, claim: pd.Series, cache: dict) -> str:
         return "No kernel measurements under the results folder to reason from (run runners.kernel_bench)."
     parts = []
     if np.isfinite(s):
-        parts.append(f"our kernel-isolated storage-layout speed-up is s={s:.2f} (paper 15.6)")
+        parts.append(f"our kernel-isolated storage-layout speed-up is s={s:.2f} (geomean over shapes; paper 15.6)")
     num, base = select(k, LAYOUT_NUM), select(k, {**LAYOUT_NUM, **LAYOUT_BASE})
     for lab, d in (("paged-equivalent", num), ("HOT", base)):
         if not d.empty and d["bound"].notna().any():
             r = d.iloc[0]
-            parts.append(f"{lab} layout at Lp={r['cell.prefix_len']:.0f}, B={r['cell.batch']:.0f}: {r['bound']}-bound, "
+            parts.append(f"{lab} layout ({r.get('cell.shape.name', '?')}, Lp={show(r.get('cell.prefix_len'))}, "
+                         f"B={show(r.get('cell.batch'))}): "
+                         f"{r['bound']}-bound, "
                          f"{r['tflops']:.0f} TFLOP/s ({r['pct_peak_flops']:.0f}% of the measured peak) and "
                          f"{r['tbps']:.2f} TB/s ({r['pct_peak_bw']:.0f}%)")
     label = config_label(claim["model"], int(claim["tp"])) if str(claim["tp"]).isdigit() else ""
