@@ -214,3 +214,13 @@ def test_claim_statistics_on_runner_output(res, raw):
     missing = evaluate(res, _claim(selectors=sel.replace("tp=1", "tp=4"), baseline="system.name=sglang_default"))
     assert missing["verdict"].iloc[0] == "not measured"
     assert "tp=4" in missing["why"].iloc[0] and "measured at TP=1" in missing["why"].iloc[0]
+
+
+def test_report_reasoning_uses_only_what_was_measured(res):
+    from analysis.claims import load_claims
+    from analysis.report import hardware_summary, roofline_line
+    assert hardware_summary(res) == [f"no GPU (CPU): {len(res.cells)} cells"]
+    claim = load_claims().iloc[0]
+    line = roofline_line(res, claim, {})
+    # the CPU kernel bench has no paged_unique_prefill variant (GPU only): no invented speed-up
+    assert "without the layout comparison" in line and "s=" not in line
