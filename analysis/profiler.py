@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.common import (NOT_MEASURED, PAPER_CONFIG_LABELS, identity, placeholder_figure, plt, save_figure,
+from analysis.common import (NOT_MEASURED, identity, placeholder_figure, plt, save_figure,
                              sort_rows, with_derived, write_table)
 from analysis.load import Results
 
@@ -27,6 +27,7 @@ NAME = "profiler"
 FIGURES = (NAME,)
 ATTENTION_KERNEL = re.compile(r"Decode|Prefill|MergeState|merge_state|[Aa]ttention|[Cc]ascade|flash", re.ASCII)
 ANNOTATION = "prefix_attention"
+PROFILED_CONFIGS = ("llama3_8b TP=1", "qwen25_32b TP=4")  # the two configs B.3 traces
 
 
 def trace_times(path: Path) -> dict[str, float]:
@@ -80,7 +81,7 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     tf = trace_frame(res)
     dims = ["config", "workload.prefix_len", "workload.batch", "system"]
     if tf.empty:
-        t = pd.DataFrame([{"config": c, "status": NOT_MEASURED} for c in PAPER_CONFIG_LABELS if "14b" not in c])
+        t = pd.DataFrame([{"config": c, "status": NOT_MEASURED} for c in PROFILED_CONFIGS])
         write_table(t, NAME, out, title="Profiler: prefix-attention kernel time (B=256, Lp=8K)",
                     note="No serving cell with profile_steps > 0 and a trace.json (sweep=profiler).")
         if not figures:
