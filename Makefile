@@ -29,3 +29,17 @@ smoke: setup ## CPU multirun (tiny model, 2 systems x 2 Lp) into a temp folder, 
 	if [ -f analysis/reproduce.py ]; then $(BIN)/python -m analysis.reproduce --results $$d/raw --out $$d; \
 	else echo "(analysis not present yet: raw cells only)"; fi && \
 	echo "smoke results: $$d"
+
+# --- analysis (helper ANALYSIS): raw results -> tables, figures, REPORT.md ---------------------
+RESULTS_RAW ?= results/raw
+RESULTS_OUT ?= results
+.PHONY: reproduce tables figures
+
+reproduce: setup ## Regenerate results/tables, results/figures and results/REPORT.md from results/raw (CPU only, minutes)
+	$(BIN)/python -m analysis.reproduce --results $(RESULTS_RAW) --out $(RESULTS_OUT)
+
+tables: setup ## Regenerate only results/tables (CSV + Markdown) and results/REPORT.md, no figures
+	$(BIN)/python -m analysis.reproduce --results $(RESULTS_RAW) --out $(RESULTS_OUT) --only tables
+
+figures: setup ## Regenerate results/figures (PNG + PDF) and the tables they are drawn from, no report
+	$(BIN)/python -m analysis.reproduce --results $(RESULTS_RAW) --out $(RESULTS_OUT) --only figures

@@ -1,0 +1,1 @@
+"""Analysis: raw results -> tidy frames (load), one module per paper table / figure, claims, report."""

@@ -1,0 +1,99 @@
+"""Amdahl prediction vs measured end-to-end speed-up (paper Sec. 4, kernel mechanism).
+
+For each model/TP config with a profiled SGLang-default cell (B=256, Lp=8K): f = its
+prefix-attention share of GPU kernel time (profiler.trace_frame), s = the kernel-isolated
+storage-layout speed-up (the paper's 15.6, and ours from kernel.layout_speedup), predicted =
+1 / ((1 - f) + f / s), measured = GraniKV / SGLang default output throughput in the same
+configuration (plain cells; profiled cells only where no plain cell exists). The paper: the
+prediction overshoots the measurement in all three configs.
+
+Writes tables/amdahl.{csv,md} and figures/amdahl.{png,pdf}.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis.common import (NOT_MEASURED, PAPER_CONFIG_LABELS, THROUGHPUT, geomean, paired, placeholder_figure,
+                             plt, save_figure, select, sort_rows, with_derived, write_table)
+from analysis.kernel import layout_speedup
+from analysis.load import Results
+from analysis.profiler import trace_frame
+
+NAME = "amdahl"
+FIGURES = (NAME,)
+PAPER_S = 15.6
+CELL = {"workload.kind": "=synthetic", "workload.num_prefixes": "=1", "workload.prefix_len": "=8192",
+        "workload.batch": "=256"}
+
+
+def amdahl(f: float, s: float) -> float:
+    """Amdahl speed-up when a fraction ``f`` of the time is sped up ``s`` times."""
+    return 1.0 / ((1.0 - f) + f / s)
+
+
+def measured_ratio(res: Results, model: str, tp: int) -> tuple[float, str]:
+    """GraniKV / sglang_default throughput at the profiler cell of (model, tp); (ratio, which cells)."""
+    cells = with_derived(res.cells)
+    if cells.empty:
+        return float("nan"), ""
+    sel = {**CELL, "model.name": f"={model}", "tp": f"={tp}", "system": "=granikv"}
+    for inst, label in (("False", "plain cells"), ("True", "profiled cells")):
+        p = paired(select(cells, {"instrumented": f"={inst}"}), res.config_columns, sel,
+                   {"system": "=sglang_default"}, THROUGHPUT)
+        if not p.empty:
+            return geomean(p["ratio"]), label
+    return float("nan"), ""
+
+
+def amdahl_frame(res: Results) -> pd.DataFrame:
+    """One row per config: f, s (paper and ours), predictions, measured ratio, overshoot flags."""
+    tf = trace_frame(res)
+    s_ours, _ = layout_speedup(res)
+    rows = []
+    if not tf.empty:
+        d = select(tf, {**CELL, "system": "=sglang_default"})
+        for (model, tp), g in d.groupby(["model.name", "tp"], sort=True):
+            f = float(g["share"].mean())
+            meas, src = measured_ratio(res, model, int(tp))
+            rows.append({"config": g["config"].iloc[0], "f_attention_share": f, "s_paper": PAPER_S, "s_ours": s_ours,
+                         "predicted_paper_s": amdahl(f, PAPER_S),
+                         "predicted_our_s": amdahl(f, s_ours) if np.isfinite(s_ours) else np.nan,
+                         "measured": meas, "measured_from": src})
+    t = pd.DataFrame(rows, columns=["config", "f_attention_share", "s_paper", "s_ours", "predicted_paper_s",
+                                    "predicted_our_s", "measured", "measured_from"])
+    if not t.empty:
+        t["overshoot_paper_s"] = np.where(t["measured"].notna(), t["predicted_paper_s"] > t["measured"], None)
+        t["status"] = np.where(t["measured"].notna(), "measured", f"{NOT_MEASURED}: no granikv/sglang_default pair")
+    return t
+
+
+def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
+    """Write this module's table (and, unless ``figures`` is False, its figures); return the table."""
+    t = amdahl_frame(res)
+    have = set(t["config"]) if not t.empty else set()
+    missing = pd.DataFrame([{"config": c, "status": f"{NOT_MEASURED}: no profiled sglang_default cell at B=256, Lp=8K"}
+                            for c in PAPER_CONFIG_LABELS if c not in have])
+    t = sort_rows(pd.concat([t, missing], ignore_index=True) if not missing.empty else t, ["config"])
+    write_table(t, NAME, out, {"f_attention_share": 3, "s_paper": 1, "s_ours": 2, "predicted_paper_s": 2,
+                               "predicted_our_s": 2, "measured": 2},
+                title="Amdahl prediction vs measured end-to-end speed-up (B=256, Lp=8K)")
+    if not figures:
+        return t
+    m = t[t["status"] == "measured"] if "status" in t.columns else t.iloc[0:0]
+    if m.empty:
+        placeholder_figure(NAME, out, "needs a profiled sglang_default cell and a granikv/sglang_default pair")
+        return t
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    x = np.arange(len(m))
+    ax.bar(x - 0.27, m["predicted_paper_s"], 0.27, label="Amdahl, s=15.6 (paper)")
+    ax.bar(x, m["predicted_our_s"].fillna(0), 0.27, label="Amdahl, our s")
+    ax.bar(x + 0.27, m["measured"], 0.27, label="measured")
+    ax.set_xticks(x, m["config"], fontsize=7)
+    ax.set_ylabel("speed-up over sglang_default")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, NAME, out)
+    return t

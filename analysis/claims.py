@@ -1,0 +1,354 @@
+"""Paper claims (results/paper/claims.csv) against our measurements: one verdict per claim.
+
+Each claim row names the frame it is measured in (``cells``, ``kernels``, ``trace``, ``steps``),
+config selectors (``analysis.common.parse_selectors``), a metric, a ``statistic`` (how our number
+is computed, see STATISTICS) with an optional ``baseline`` (selectors overriding the claim's, e.g.
+``system.name=sglang_default``), and a ``check`` against the paper's value. :func:`verdict` is
+the decision, a pure function:
+
+- ``point``: reproduced when ours is within ``tol`` (25%) of the paper's value, or better than it
+  in the claim's ``better`` direction; for ratios (unit ``x``) the effect must also point the same
+  way (both above or both below 1) unless the paper's value is parity (within 5% of 1).
+- ``range`` [lo, hi]: the same, with [lo (1 - tol), hi (1 + tol)] as the band.
+- ``bound_ge`` / ``bound_le``: the bound holds (a stated bound is not relaxed by the tolerance).
+- ``true``: a qualitative claim that our measurement confirms (e.g. monotone growth).
+No number -> ``not measured`` with the reason.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis.common import NOT_MEASURED, aggregate, geomean, identity, paired, parse_selectors, select, show
+from analysis.dispatch_routing import with_dispatch
+from analysis.load import Results
+
+REPRODUCED, NOT_REPRODUCED = "reproduced", "not reproduced"
+TOL = 0.25           # "within 25% or better"
+PARITY_BAND = 0.05   # a paper ratio within 5% of 1 claims parity: no direction to match
+EPS = 1e-9
+CLAIMS_CSV = Path(__file__).resolve().parents[1] / "results" / "paper" / "claims.csv"
+CHECKS = ("point", "range", "bound_ge", "bound_le", "true")
+
+
+def _missing(x) -> bool:
+    return x is None or (isinstance(x, (float, np.floating)) and not np.isfinite(x))
+
+
+def verdict(check: str, paper: float | None, ours, *, paper_hi: float | None = None, better: str | None = None,
+            ratio: bool = False, tol: float = TOL) -> str:
+    """reproduced | not reproduced | not measured (see the module docstring for the rules)."""
+    if check not in CHECKS:
+        raise ValueError(f"check `{check}` not in {CHECKS}")
+    if _missing(ours):
+        return NOT_MEASURED
+    if check == "true":
+        return REPRODUCED if bool(ours) else NOT_REPRODUCED
+    ours = float(ours)
+    if check == "bound_ge":
+        return REPRODUCED if ours >= paper - EPS else NOT_REPRODUCED
+    if check == "bound_le":
+        return REPRODUCED if ours <= paper + EPS else NOT_REPRODUCED
+    lo, hi = float(paper), float(paper if _missing(paper_hi) else paper_hi)
+    if ratio:
+        mid = (lo + hi) / 2
+        if abs(mid - 1.0) >= PARITY_BAND and (ours - 1.0) * (mid - 1.0) <= 0:
+            return NOT_REPRODUCED  # the effect points the other way (or vanished)
+    if lo * (1 - tol) - EPS * abs(lo) <= ours <= hi * (1 + tol) + EPS * abs(hi):
+        return REPRODUCED
+    if (better == "higher" and ours > hi) or (better == "lower" and ours < lo):
+        return REPRODUCED
+    return NOT_REPRODUCED
+
+
+@dataclass
+class Outcome:
+    """Our number for one claim: ``value`` (float or bool, NaN when not measured), how it is shown,
+    how many configurations it pools, why it is missing, and the GPUs it was measured on."""
+
+    value: object = float("nan")
+    shown: str = ""
+    n: int = 0
+    why: str = ""
+    gpus: list[str] = field(default_factory=list)
+
+
+def load_claims(path: str | Path = CLAIMS_CSV) -> pd.DataFrame:
+    """claims.csv, checked: unique ids, known checks / frames / statistics, numbers where needed."""
+    df = pd.read_csv(path, dtype=str, keep_default_na=False)
+    need = ["id", "section", "claim", "model", "tp", "frame", "selectors", "metric", "statistic", "baseline", "check",
+            "paper_value", "paper_value_hi", "unit", "better", "comparison", "source"]
+    miss = [c for c in need if c not in df.columns]
+    if miss:
+        raise ValueError(f"{path}: missing columns {miss}")
+    if df["id"].duplicated().any():
+        raise ValueError(f"{path}: duplicate ids {sorted(df.loc[df['id'].duplicated(), 'id'])}")
+    for _, r in df.iterrows():
+        where = f"{path}: claim `{r['id']}`"
+        if r["check"] not in CHECKS:
+            raise ValueError(f"{where}: field `check` is '{r['check']}', not one of {CHECKS}")
+        if r["statistic"] not in STATISTICS:
+            raise ValueError(f"{where}: field `statistic` is '{r['statistic']}', not one of {sorted(STATISTICS)}")
+        if r["frame"] not in ("cells", "kernels", "trace", "steps"):
+            raise ValueError(f"{where}: field `frame` is '{r['frame']}', not cells | kernels | trace | steps")
+        if r["check"] != "true":
+            float(r["paper_value"])  # raises with the value in the message
+        parse_selectors(r["selectors"]), parse_selectors(r["baseline"])
+    return df
+
+
+class Context:
+    """The frames claims are measured in, built once from a Results (lazily)."""
+
+    def __init__(self, res: Results):
+        self.res = res
+        self._frames: dict[str, pd.DataFrame] = {}
+
+    def frame(self, name: str) -> pd.DataFrame:
+        if name not in self._frames:
+            if name == "cells":  # serving cells without profiler / nsys instrumentation
+                df = with_dispatch(self.res.cells)
+                df = select(df, {"kind": "=serving", "instrumented": "=False"}) if not df.empty else df
+            elif name == "kernels":
+                from analysis.kernel import kernel_frame
+                df = kernel_frame(self.res)
+            elif name == "trace":
+                from analysis.profiler import trace_frame
+                df = trace_frame(self.res)
+            else:
+                from analysis.dispatch_overhead import overhead_frame
+                df = overhead_frame(self.res)
+            self._frames[name] = df
+        return self._frames[name]
+
+
+def why_empty(df: pd.DataFrame, sel: dict[str, str], what: str) -> str:
+    """Which selector leaves nothing, and which values exist for it instead."""
+    if df.empty:
+        return f"no {what} under the results folder"
+    cur = df
+    for key, cond in sel.items():
+        if key not in cur.columns:
+            return f"no {what} has `{key}`"
+        nxt = select(cur, {key: cond})
+        if nxt.empty:
+            vals = sorted(cur[key].dropna().unique(), key=lambda v: (isinstance(v, str), v if not isinstance(v, str) else 0, str(v)))
+            shown = ", ".join(show(v) for v in vals[:8]) + (" ..." if len(vals) > 8 else "")
+            return f"no {what} with {key}{cond} (the {len(cur)} {what}s that pass the selectors before it have {key} in {{{shown}}})"
+        cur = nxt
+    return f"no {what} matched"
+
+
+def _gpus(*dfs: pd.DataFrame) -> list[str]:
+    out = set()
+    for d in dfs:
+        if d is not None and "provenance.gpu_name" in d.columns:
+            out |= {str(g) if g is not None and g == g else "no GPU (CPU)" for g in d["provenance.gpu_name"]}
+    return sorted(out)
+
+
+WHAT = {"cells": "cell", "kernels": "kernel row", "trace": "profiled cell",
+        "steps": "dispatch_overhead cell"}
+
+
+def _ratio_stat(ctx: Context, c: pd.Series, sel: dict, base: dict, reduce: str) -> Outcome:
+    df, what = ctx.frame(c["frame"]), WHAT[c["frame"]]
+    num = select(df, sel) if not df.empty else df
+    if num.empty:
+        return Outcome(why=why_empty(df, sel, what))
+    p = paired(df, ctx.res.config_columns, sel, base, c["metric"])
+    basesel = {**sel, **base}
+    if p.empty:
+        return Outcome(why="no baseline twin: " + why_empty(df, basesel, what), gpus=_gpus(num))
+    gpus = _gpus(num, select(df, basesel))
+    p = p[np.isfinite(p["ratio"].astype(float))]
+    if p.empty:
+        return Outcome(why=f"`{c['metric']}` is missing in every matching {what}", gpus=gpus)
+    r = p["ratio"].astype(float)
+    if reduce == "geomean":
+        return Outcome(geomean(r), f"{geomean(r):.2f}", len(p), gpus=gpus)
+    if reduce == "inverse":
+        v = 1.0 / geomean(r)
+        return Outcome(v, f"{v:.2f}", len(p), gpus=gpus)
+    if reduce == "max_abs_dev":
+        v = float((r - 1).abs().max())
+        return Outcome(v, f"{v:.3f} (ratios {r.min():.3f}..{r.max():.3f})", len(p), gpus=gpus)
+    if reduce == "monotone":
+        keys = [k for k in identity(p, ctx.res.config_columns) if k != "workload.prefix_len"]
+        ok, parts = True, []
+        for _, g in p.groupby(keys, dropna=False, sort=True) if keys else [("", p)]:
+            g = g.sort_values("workload.prefix_len")
+            if len(g) < 2:
+                continue
+            ok &= bool((g["ratio"].diff().dropna() >= -EPS).all())
+            parts.append(" -> ".join(f"{v:.2f}@{int(lp)}" for lp, v in zip(g["workload.prefix_len"], g["ratio"])))
+        if not parts:
+            return Outcome(why=f"fewer than two Lp values measured ({len(p)} pair)", gpus=gpus)
+        return Outcome(ok, ("monotone: " if ok else "not monotone: ") + "; ".join(parts), len(p), gpus=gpus)
+    raise ValueError(reduce)
+
+
+def _value_stat(ctx: Context, c: pd.Series, sel: dict, reduce: str) -> Outcome:
+    df = ctx.frame(c["frame"])
+    d = select(df, sel) if not df.empty else df
+    if d.empty:
+        return Outcome(why=why_empty(df, sel, WHAT[c["frame"]]))
+    metric = c["metric"]
+    if metric not in d.columns or d[metric].isna().all():
+        return Outcome(why=f"the matching cells have no `{metric}`", gpus=_gpus(d))
+    a = aggregate(d, identity(d, ctx.res.config_columns), metric)["mean"].astype(float)
+    v = {"value": a.mean(), "min": a.min(), "max": a.max()}[reduce]
+    return Outcome(float(v), f"{v:.3g}" if reduce == "value" else f"{v:.3f} (over {len(a)} configs)", len(a),
+                   gpus=_gpus(d))
+
+
+def stat_peak_share(ctx: Context, c: pd.Series, sel: dict, base: dict) -> Outcome:
+    df = ctx.frame("cells")
+    d = select(df, sel) if not df.empty else df
+    if d.empty:
+        return Outcome(why=why_empty(df, sel, "cell"))
+    (bkey, bcond), = base.items()
+    ids = identity(d, ctx.res.config_columns)
+    a = aggregate(d, ids, c["metric"])
+    rest = [k for k in ids if k != bkey]
+    shares, parts = [], []
+    for key, g in a.groupby(rest, dropna=False, sort=True):
+        at = select(g, {bkey: bcond})
+        if at.empty or len(g) < 2:
+            continue
+        s = float(at["mean"].iloc[0] / g["mean"].max())
+        shares.append(s)
+        best = g.loc[g["mean"].idxmax(), bkey]
+        parts.append(f"Lp={show(at['workload.prefix_len'].iloc[0])}: {s:.2f} (peak at B={show(best)})")
+    if not shares:
+        return Outcome(why=f"needs {bkey}{bcond} and at least one other {bkey} in the same configuration", gpus=_gpus(d))
+    return Outcome(min(shares), f"{min(shares):.3f} min; " + "; ".join(parts), len(shares), gpus=_gpus(d))
+
+
+def stat_kernel_speedup(ctx: Context, c: pd.Series, sel: dict, base: dict) -> Outcome:
+    from analysis.kernel import describe_columns, kernel_speedup
+    k = ctx.frame("kernels")
+    d = select(k, sel) if not k.empty else k
+    if d.empty:
+        return Outcome(why=why_empty(k, sel, "kernel row"))
+    v, n = kernel_speedup(k, describe_columns(ctx.res, k), sel, base)
+    if n == 0:
+        return Outcome(why="no baseline twin: " + why_empty(k, {**sel, **base}, "kernel row"), gpus=_gpus(d))
+    return Outcome(v, f"{v:.2f}", n, gpus=_gpus(d))
+
+
+def stat_roofline_shift(ctx: Context, c: pd.Series, sel: dict, base: dict) -> Outcome:
+    k = ctx.frame("kernels")
+    num = select(k, sel) if not k.empty else k
+    if num.empty:
+        return Outcome(why=why_empty(k, sel, "kernel row"))
+    b = select(k, {**sel, **base})
+    nb, bb = set(num["bound"].dropna()), set(b["bound"].dropna()) if not b.empty else set()
+    if not nb or not bb:
+        return Outcome(why="kernel rows lack flops/bytes or the measured peaks (no roofline class)", gpus=_gpus(num))
+    ok = nb == {"memory"} and bb == {"compute"}
+    return Outcome(ok, f"paged-equivalent: {'/'.join(sorted(nb))}-bound; HOT: {'/'.join(sorted(bb))}-bound",
+                   len(num), gpus=_gpus(num, b))
+
+
+def stat_amdahl(ctx: Context, c: pd.Series, sel: dict, base: dict) -> Outcome:
+    from analysis.amdahl import amdahl_frame
+    from analysis.common import config_label
+    t = amdahl_frame(ctx.res)
+    label = config_label(c["model"], int(c["tp"]))
+    row = t[t["config"] == label] if not t.empty else t
+    if row.empty:
+        return Outcome(why=f"no profiled sglang_default cell (B=256, Lp=8K) for {label}")
+    r = row.iloc[0]
+    if _missing(r["measured"]):
+        return Outcome(why=f"no granikv/sglang_default throughput pair at B=256, Lp=8K for {label}")
+    ok = bool(r["predicted_paper_s"] > r["measured"])
+    return Outcome(ok, f"f={r['f_attention_share']:.3f}: predicted {r['predicted_paper_s']:.2f} (s=15.6) vs measured "
+                       f"{r['measured']:.2f}", 1, gpus=_gpus(select(ctx.frame("cells"), sel)))
+
+
+def stat_trace_speedup(ctx: Context, c: pd.Series, sel: dict, base: dict) -> Outcome:
+    return _ratio_stat(ctx, c, sel, base, "inverse")
+
+
+def stat_overhead(ctx: Context, c: pd.Series, sel: dict, col: str) -> Outcome:
+    df = ctx.frame("steps")
+    d = select(df, sel) if not df.empty else df
+    if d.empty:
+        return Outcome(why=why_empty(df, sel, WHAT["steps"]))
+    if col not in d.columns or d[col].isna().all():
+        return Outcome(why="steps.jsonl carries no dispatcher time (dispatch_us)", gpus=_gpus(d))
+    v = float(d[col].max())
+    return Outcome(v, f"{v:.4g} (max over {d[col].notna().sum()} cells)", int(d[col].notna().sum()), gpus=_gpus(d))
+
+
+STATISTICS = {
+    "ratio": lambda ctx, c, s, b: _ratio_stat(ctx, c, s, b, "geomean"),
+    "inv_ratio": lambda ctx, c, s, b: _ratio_stat(ctx, c, s, b, "inverse"),
+    "max_abs_dev": lambda ctx, c, s, b: _ratio_stat(ctx, c, s, b, "max_abs_dev"),
+    "monotone_ratio": lambda ctx, c, s, b: _ratio_stat(ctx, c, s, b, "monotone"),
+    "value": lambda ctx, c, s, b: _value_stat(ctx, c, s, "value"),
+    "min": lambda ctx, c, s, b: _value_stat(ctx, c, s, "min"),
+    "max": lambda ctx, c, s, b: _value_stat(ctx, c, s, "max"),
+    "peak_share": stat_peak_share,
+    "kernel_speedup": stat_kernel_speedup,
+    "roofline_shift": stat_roofline_shift,
+    "amdahl_overshoot": stat_amdahl,
+    "trace_speedup": stat_trace_speedup,
+    "overhead_share": lambda ctx, c, s, b: stat_overhead(ctx, c, s, "share_pct"),
+    "overhead_cpu_us": lambda ctx, c, s, b: stat_overhead(ctx, c, s, "dispatch_us_mean"),
+}
+
+
+def _num(x: str) -> float | None:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def other_tp_note(ctx: Context, c: pd.Series, sel: dict, base: dict) -> str:
+    """Where the paper's TP was not measured but another TP was: our number there, as information
+    (no verdict: a different parallel configuration is a different measurement)."""
+    relaxed = {k: v for k, v in sel.items() if k != "tp"}
+    df = ctx.frame("cells")
+    there = select(df, relaxed) if not df.empty else df
+    if there.empty or "tp" not in there.columns:
+        return ""
+    o = STATISTICS[c["statistic"]](ctx, c, relaxed, base)
+    if _missing(o.value):
+        return ""
+    tps = ", ".join(str(int(t)) for t in sorted(there["tp"].dropna().unique()))
+    return f"; for information only, measured at TP={tps}: {o.shown} on {', '.join(o.gpus)} (no verdict)"
+
+
+def evaluate(res: Results, claims: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per claim: the claim's columns plus ``ours``, ``ours_shown``, ``n``, ``our_hardware``,
+    ``verdict``, ``why``."""
+    claims = load_claims() if claims is None else claims
+    ctx = Context(res)
+    rows = []
+    for _, c in claims.iterrows():
+        sel, base = parse_selectors(c["selectors"]), parse_selectors(c["baseline"])
+        o = STATISTICS[c["statistic"]](ctx, c, sel, base)
+        v = verdict(c["check"], _num(c["paper_value"]), o.value, paper_hi=_num(c["paper_value_hi"]),
+                    better=c["better"] or None, ratio=c["unit"] == "x")
+        why = o.why if v == NOT_MEASURED else ""
+        if v == NOT_MEASURED and "tp" in sel and c["frame"] == "cells":
+            why += other_tp_note(ctx, c, sel, base)
+        rows.append({**c.to_dict(), "ours": o.value, "ours_shown": o.shown if v != NOT_MEASURED else "",
+                     "n": o.n, "our_hardware": ", ".join(o.gpus), "verdict": v, "why": why})
+    return pd.DataFrame(rows)
+
+
+def paper_shown(c: pd.Series) -> str:
+    """The paper's value as the report prints it (``>= 0.97 x``, ``1.05-1.15 x``, ``yes``)."""
+    if c["check"] == "true":
+        return "yes"
+    v, hi, u = c["paper_value"], c["paper_value_hi"], c["unit"]
+    op = {"bound_ge": ">= ", "bound_le": "<= "}.get(c["check"], "")
+    return f"{op}{v}{'-' + hi if hi else ''} {u}".strip()
+

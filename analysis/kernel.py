@@ -1,0 +1,156 @@
+"""Kernel mechanism (paper Sec. 4): the attention microbenchmark (``runners.kernel_bench``,
+``kernel.jsonl`` rows) as a table and a roofline plot.
+
+Per kernel row (fields ``k.<name>`` in the kernels frame) we read the time (``time_ms``, else
+``mean_ms`` / ``median_ms`` / ``ms``, or ``time_us``) and, where the row gives them, the work done
+(``flops``) and HBM traffic (``bytes``): achieved TFLOP/s and TB/s, their fractions of the
+measured peaks (row ``peak_*``, else the cell's ``peaks.*`` from runners.kernel_bench, else
+``hardware.peak_*``), and arithmetic intensity. ``bound`` is the resource the kernel uses the
+larger fraction of (``compute`` or ``memory``): a measured utilisation, not a model. Rows
+without flops/bytes or peaks leave these blank ("not measured"), never estimated.
+
+Writes tables/kernel.{csv,md} and figures/kernel_roofline.{png,pdf}.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis.common import (NOT_MEASURED, NULL, aggregate, config_label, geomean, placeholder_figure, plt, save_figure,
+                             select, sort_rows, write_table)
+from analysis.load import Results
+
+NAME = "kernel"
+FIGURES = ("kernel_roofline",)
+TIME_FIELDS = (("k.time_ms", 1.0), ("k.mean_ms", 1.0), ("k.median_ms", 1.0), ("k.ms", 1.0), ("k.time_us", 1e-3))
+def _first(df: pd.DataFrame, names: tuple[str, ...]) -> pd.Series:
+    out = pd.Series(np.nan, index=df.index, dtype=float)
+    for n in names:
+        if n in df.columns:
+            out = out.fillna(pd.to_numeric(df[n], errors="coerce"))
+    return out
+
+
+def kernel_frame(res: Results) -> pd.DataFrame:
+    """The kernels frame plus ``time_ms``, ``tflops``, ``tbps``, ``intensity``, ``peak_*``,
+    ``pct_peak_flops``, ``pct_peak_bw``, ``bound`` and ``config``."""
+    k = res.kernels.copy()
+    if k.empty:
+        return k
+    t = pd.Series(np.nan, index=k.index, dtype=float)
+    for name, scale in TIME_FIELDS:
+        if name in k.columns:
+            t = t.fillna(pd.to_numeric(k[name], errors="coerce") * scale)
+    k["time_ms"] = t
+    flops = _first(k, ("k.flops",))
+    nbytes = _first(k, ("k.bytes", "k.hbm_bytes"))
+    k["tflops"] = flops / (t * 1e-3) / 1e12
+    k["tbps"] = nbytes / (t * 1e-3) / 1e12
+    k["intensity"] = flops / nbytes
+    k["peak_tflops"] = _first(k, ("k.peak_tflops", "peaks.peak_tflops", "hardware.peak_tflops")).where(lambda s: s > 0)
+    k["peak_tbps"] = _first(k, ("k.peak_tbps", "peaks.peak_tbps", "hardware.peak_tbps")).where(lambda s: s > 0)
+    k["pct_peak_flops"] = 100 * k["tflops"] / k["peak_tflops"]
+    k["pct_peak_bw"] = 100 * k["tbps"] / k["peak_tbps"]
+    k["bound"] = np.where(k["pct_peak_flops"].isna() | k["pct_peak_bw"].isna(), None,
+                          np.where(k["pct_peak_flops"] >= k["pct_peak_bw"], "compute", "memory"))
+    if {"model.name", "tp"} <= set(k.columns):
+        k["config"] = [config_label(m, t) for m, t in zip(k["model.name"], k["tp"])]
+    return k
+
+
+# what tells two kernel measurements apart (runners.kernel_bench: cell kind decode | layout |
+# dispatch, the head shape, Lp, B, k; per row the backend / layout variant and dispatch classes)
+DESCRIBE = ("provenance.gpu_name", "config", "cell.kind", "cell.shape.name", "cell.prefix_len", "cell.batch",
+            "cell.num_prefixes", "k.backend", "k.num_classes", "k.batch")
+
+
+def describe_columns(res: Results, k: pd.DataFrame) -> list[str]:
+    """The DESCRIBE columns present in the kernels frame."""
+    return [c for c in DESCRIBE if c in k.columns and k[c].notna().any()]
+
+
+def kernel_speedup(k: pd.DataFrame, keys: list[str], num_sel: dict, base_over: dict) -> tuple[float, int]:
+    """Geomean over matched pairs of time(num) / time(base) (> 1: base is faster); (value, pairs)."""
+    num = aggregate(select(k, num_sel), keys, "time_ms")
+    base = aggregate(select(k, {**num_sel, **base_over}), keys, "time_ms")
+    free = [c for c in keys if c not in base_over]
+    if num.empty or base.empty:
+        return float("nan"), 0
+    m = num.merge(base, on=[c for c in free], suffixes=("_n", "_b"))
+    return geomean(m["mean_n"] / m["mean_b"]), len(m)
+
+
+def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
+    """Write this module's table (and, unless ``figures`` is False, its figures); return the table."""
+    k = kernel_frame(res)
+    if k.empty:
+        t = pd.DataFrame([{"status": NOT_MEASURED, "why": "no kernel.jsonl rows (run python -m runners.kernel_bench)"}])
+        write_table(t, NAME, out, title="Kernel mechanism (attention microbenchmark)")
+        if not figures:
+            return t
+        placeholder_figure("kernel_roofline", out, "no kernel.jsonl rows under the results folder")
+        return t
+    keys = describe_columns(res, k)
+    agg = aggregate(k, keys, "time_ms")
+    for col in ("tflops", "tbps", "intensity", "peak_tflops", "peak_tbps", "pct_peak_flops", "pct_peak_bw"):
+        agg = agg.merge(aggregate(k, keys, col)[keys + ["mean"]].rename(columns={"mean": col}), on=keys, how="left")
+    b = k[keys + ["bound"]].copy()
+    b[keys] = b[keys].astype(object).where(b[keys].notna(), NULL)
+    agg = agg.merge(b.drop_duplicates(keys), on=keys, how="left")
+    agg = agg.rename(columns={"mean": "time_ms_mean", "sd": "time_ms_sd", "min": "time_ms_min", "max": "time_ms_max"})
+    agg["bound"] = agg["bound"].fillna(NOT_MEASURED)
+    t = sort_rows(agg, keys)
+    write_table(t, NAME, out, {"time_ms_mean": 4, "time_ms_sd": 4, "time_ms_min": 4, "time_ms_max": 4, "tflops": 3,
+                               "tbps": 3, "intensity": 1, "peak_tflops": 3, "peak_tbps": 3, "pct_peak_flops": 1,
+                               "pct_peak_bw": 1},
+                title="Kernel mechanism: attention microbenchmark",
+                note="time per call (mean over repetitions); pct_peak_*: achieved share of the measured peaks; "
+                     "bound: the resource used the larger share of.")
+    if not figures:
+        return t
+    roofline(t, keys, out)
+    return t
+
+
+def roofline(t: pd.DataFrame, keys: list[str], out: Path) -> None:
+    """Achieved TFLOP/s vs arithmetic intensity, one marker per kernel row, with the roof."""
+    d = t[t["tflops"].notna() & t["intensity"].notna()] if "tflops" in t.columns else t.iloc[0:0]
+    if d.empty:
+        placeholder_figure("kernel_roofline", out, "kernel rows carry no flops/bytes: roofline not measured")
+        return
+    hue = "k.backend" if "k.backend" in d.columns else None
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for lab, g in (d.groupby(hue, sort=True) if hue else [("kernel", d)]):
+        ax.scatter(g["intensity"], g["tflops"], label=str(lab), s=22)
+    pk = d[["peak_tflops", "peak_tbps"]].dropna()
+    if not pk.empty:
+        pt, pb = float(pk["peak_tflops"].iloc[0]), float(pk["peak_tbps"].iloc[0])
+        x = np.logspace(np.log10(max(d["intensity"].min() / 4, 1e-2)), np.log10(d["intensity"].max() * 4), 100)
+        ax.plot(x, np.minimum(pt, x * pb), color="k", lw=1, label=f"roof ({pt:.0f} TFLOP/s, {pb:.2f} TB/s)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / HBM byte)")
+    ax.set_ylabel("achieved TFLOP/s")
+    ax.set_title(f"Roofline ({', '.join(sorted(d['provenance.gpu_name'].dropna().astype(str).unique())) or 'gpu ?'})"
+                 if "provenance.gpu_name" in d.columns else "Roofline")
+    ax.legend(fontsize=6, title=hue[2:] if hue else None)
+    fig.tight_layout()
+    save_figure(fig, "kernel_roofline", out)
+
+
+# the paper's storage-layout comparison: the fixed dense prefix kernel (non-causal prefill) on
+# the unique paged-equivalent layout (each request its own prefix copy, re-read B times) vs on
+# the contiguous HOT slab (runners.kernel_bench layout cells; B=256 on the GPU preset)
+LAYOUT_NUM = {"cell.kind": "=layout", "k.backend": "=paged_unique_prefill", "cell.batch": "=256",
+              "cell.prefix_len": "=max"}
+LAYOUT_BASE = {"k.backend": "=contiguous_dense"}
+
+
+def layout_speedup(res: Results) -> tuple[float, int]:
+    """Our kernel-isolated storage-layout speed-up s (paper: 15.6x) and the number of pairs."""
+    k = kernel_frame(res)
+    if k.empty:
+        return float("nan"), 0
+    return kernel_speedup(k, describe_columns(res, k), LAYOUT_NUM, LAYOUT_BASE)

@@ -1,0 +1,47 @@
+"""Small-Lp / large-B limitation cells (paper Limitations, B.2): Lp=512 at B in {256, 512, 1024},
+ShareGPT and synthetic workloads; GraniKV's ratio to sglang_default (paper: 0.70x for Qwen-14B
+TP=2 at B=512, 0.97x for Llama-8B TP=1 at B=256).
+
+Writes tables/limitation.{csv,md} and figures/limitation.{png,pdf}.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from analysis.common import PAPER_CONFIG_LABELS, placeholder_figure, plt, rename_short, save_figure, system_table, write_table
+from analysis.headline import DIGITS
+from analysis.load import Results
+
+NAME = "limitation"
+FIGURES = (NAME,)
+SELECT = {"workload.prefix_len": "=512", "workload.batch": ">=256", "workload.num_prefixes": "=1"}
+
+
+def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
+    """Write this module's table (and, unless ``figures`` is False, its figures); return the table."""
+    t = system_table(res.cells, res.config_columns, SELECT, ["workload.kind", "config", "workload.batch"],
+                     expected={"workload.kind": ("sharegpt",), "config": PAPER_CONFIG_LABELS,
+                               "workload.batch": (256, 512, 1024)})
+    write_table(rename_short(t), NAME, out, DIGITS, title="Limitation cells: Lp=512, B >= 256")
+    if not figures:
+        return t
+    g = t[(t["status"] == "measured") & (t["system"] == "granikv")] if not t.empty else t
+    g = g[g["ratio_vs_sglang_default"].notna()] if not g.empty else g
+    if g.empty:
+        placeholder_figure(NAME, out, "no GraniKV cell at Lp=512, B>=256 with a sglang_default twin")
+        return t
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    for (kind, cfg), gs in g.groupby(["workload.kind", "config"], sort=True):
+        gs = gs.sort_values("workload.batch")
+        ax.plot(gs["workload.batch"].astype(float), gs["ratio_vs_sglang_default"], marker="o", label=f"{kind}, {cfg}")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("B")
+    ax.set_ylabel("GraniKV / sglang_default")
+    ax.set_title("Lp=512: GraniKV throughput ratio vs batch")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, NAME, out)
+    return t

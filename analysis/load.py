@@ -1,0 +1,207 @@
+"""Raw-result folders -> tidy pandas frames, schema-checked against granikv.rawio.
+
+A cell is any folder under the results root holding ``config.json``, ``metrics.json`` or
+``failure.json``. ``load_results(root)`` returns a :class:`Results` with
+
+- ``cells``: one row per finished cell (``metrics.json`` present): ``sweep``, ``cell_id``,
+  ``path``, ``kind``, the config flattened with dots (``workload.prefix_len``), provenance as
+  ``provenance.<key>``, and every metric under its own name (``dispatch_counts.<backend>``);
+- ``failures``: one row per failed (``failure.json``) or unfinished cell, with the error;
+- ``kernels``: one row per line of every ``kernel.jsonl`` (kernel and calibration cells): the
+  line's fields as ``k.<field>``, with the cell's flattened config beside them.
+
+``load_steps(cell_path)`` reads one cell's dispatch trace (``steps.jsonl``). Anything that does
+not match the schema raises :class:`granikv.rawio.SchemaError` naming the file and the field.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from granikv.rawio import (CELL_KINDS, PROVENANCE_KEYS, REQUIRED_FILES, SERVING_METRICS, SchemaError,
+                           read_json, read_jsonl)
+
+CELL_MARKERS = ("config.json", "metrics.json", "failure.json")
+
+
+@dataclass
+class Results:
+    """Everything under one results root, as tidy frames (see the module docstring)."""
+
+    root: Path
+    cells: pd.DataFrame
+    failures: pd.DataFrame
+    kernels: pd.DataFrame
+    config_columns: list[str] = field(default_factory=list)  # flattened config keys (no provenance)
+    kernel_columns: list[str] = field(default_factory=list)  # fields of kernel.jsonl rows
+
+
+def flatten(obj: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> one level with dotted keys; lists become JSON text (hashable, sortable)."""
+    out: dict[str, Any] = {}
+    for k in sorted(obj):
+        v = obj[k]
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        elif isinstance(v, (list, tuple)):
+            out[key] = json.dumps(v, sort_keys=True)
+        else:
+            out[key] = v
+    return out
+
+
+def find_cells(root: str | Path) -> list[Path]:
+    """Every cell folder under ``root`` (sorted); hidden folders (temp files, .hydra) skipped."""
+    root = Path(root)
+    cells = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        if any(m in filenames for m in CELL_MARKERS):
+            cells.append(Path(dirpath))
+    return sorted(cells)
+
+
+FIX = ("raw results are written only by runners.run / runners.kernel_bench: rerun the cell "
+       "(force=true) or move the folder out of the results tree; never edit it by hand")
+
+
+def _need(cond: bool, path: Path, fld: str, what: str) -> None:
+    if not cond:
+        raise SchemaError(f"{path}: field `{fld}` {what}. Fix: {FIX}")
+
+
+def _read_dict(path: Path) -> dict:
+    obj = read_json(path)
+    _need(isinstance(obj, dict), path, "<top level>", f"must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _read_config(path: Path) -> dict:
+    """config.json; runners.engine_bench nests the RunConfig under ``config`` (lifted to the top)."""
+    cfg = _read_dict(path)
+    if isinstance(cfg.get("config"), dict) and "model" not in cfg:
+        cfg = {**cfg["config"], **{k: v for k, v in cfg.items() if k != "config"}}
+    return cfg
+
+
+def cell_kind(cell: Path, config: dict) -> str:
+    """``config['cell_kind']`` when given, else ``kernel`` for a folder with kernel.jsonl, else ``serving``."""
+    kind = config.get("cell_kind")
+    if kind is not None:
+        _need(kind in CELL_KINDS, cell / "config.json", "cell_kind", f"is '{kind}', must be one of {CELL_KINDS}")
+        return kind
+    return "kernel" if (cell / "kernel.jsonl").exists() else "serving"
+
+
+def check_config(path: Path, config: dict) -> None:
+    """config.json: a provenance object with every key of rawio.PROVENANCE_KEYS."""
+    prov = config.get("provenance")
+    _need(isinstance(prov, dict), path, "provenance",
+          "is missing or not an object (write it with granikv.rawio.provenance())")
+    for k in PROVENANCE_KEYS:
+        _need(k in prov, path, f"provenance.{k}", "is missing (write it with granikv.rawio.provenance())")
+
+
+def check_metrics(path: Path, kind: str, metrics: dict) -> None:
+    """metrics.json of a serving cell: every rawio.SERVING_METRICS key, numbers (dispatch_counts: object)."""
+    if kind != "serving":
+        return
+    for k in SERVING_METRICS:
+        _need(k in metrics, path, k, "is missing (see granikv.rawio.SERVING_METRICS)")
+        v = metrics[k]
+        if k == "dispatch_counts":
+            _need(isinstance(v, dict), path, k, f"must be an object backend -> steps, got {type(v).__name__}")
+        else:
+            _need(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)), path, k,
+                  f"must be a number or null, got {v!r}")
+
+
+def _load_cell(root: Path, cell: Path) -> tuple[str, dict, list[dict], list[str]]:
+    """-> (state, row, kernel rows, flattened config keys). state: done | failed | partial."""
+    rel = cell.relative_to(root)
+    base = {"sweep": str(rel.parent) if str(rel.parent) != "." else "", "cell_id": cell.name, "path": str(rel)}
+    cfg_path = cell / "config.json"
+    config = _read_config(cfg_path) if cfg_path.exists() else None
+    if (cell / "metrics.json").exists():
+        _need(config is not None, cfg_path, "<file>", "is missing beside metrics.json (a finished cell needs its config)")
+        check_config(cfg_path, config)
+        kind = cell_kind(cell, config)
+        for f in REQUIRED_FILES[kind]:
+            _need((cell / f).exists(), cell / f, "<file>", f"is missing: a finished {kind} cell needs {REQUIRED_FILES[kind]}")
+        metrics = _read_dict(cell / "metrics.json")
+        check_metrics(cell / "metrics.json", kind, metrics)
+        flat_cfg = flatten(config)
+        row = {**base, "kind": kind, **flat_cfg}
+        for k, v in flatten(metrics).items():  # a metric named like a config key (engine stats: tp)
+            if k not in row:
+                row[k] = v
+            elif row[k] != v:
+                row[f"metrics.{k}"] = v
+        krows = []
+        if (cell / "kernel.jsonl").exists():
+            kpath = cell / "kernel.jsonl"
+            for i, r in enumerate(read_jsonl(kpath), 1):
+                _need(isinstance(r, dict), kpath, f"line {i}", "must be a JSON object")
+                krows.append({**base, "kind": kind, **flat_cfg, **{f"k.{k}": v for k, v in flatten(r).items()}})
+            _need(len(krows) > 0, kpath, "<file>", "has no rows (a kernel cell must record its measurements)")
+        return "done", row, krows, [k for k in flat_cfg if not k.startswith("provenance.")]
+    if (cell / "failure.json").exists():
+        fpath = cell / "failure.json"
+        failure = _read_dict(fpath)
+        _need("error" in failure, fpath, "error", "is missing (failure.json must say what went wrong)")
+        cfg = config if config is not None else failure.get("config") or {}
+        cfg = {k: v for k, v in cfg.items() if k != "provenance"} if isinstance(cfg, dict) else {}
+        return "failed", {**base, "state": "failed", "error": str(failure["error"]), **flatten(cfg)}, [], []
+    cfg = {k: v for k, v in (config or {}).items() if k != "provenance"}
+    return "partial", {**base, "state": "partial",
+                       "error": "unfinished: neither metrics.json nor failure.json (interrupted run?)",
+                       **flatten(cfg)}, [], []
+
+
+def load_results(root: str | Path = "results/raw") -> Results:
+    """Load every cell under ``root`` (a missing root is an empty result, not an error)."""
+    root = Path(root)
+    done, failed, kernels = [], [], []
+    config_cols: set[str] = set()
+    kernel_cols: set[str] = set()
+    for cell in find_cells(root) if root.exists() else []:
+        state, row, krows, keys = _load_cell(root, cell)
+        (done if state == "done" else failed).append(row)
+        kernels.extend(krows)
+        config_cols.update(keys)
+        kernel_cols.update(k for r in krows for k in r if k.startswith("k."))
+    cells = pd.DataFrame(done)
+    if not cells.empty:
+        cells = cells.sort_values(["sweep", "cell_id"], kind="stable").reset_index(drop=True)
+    failures = pd.DataFrame(failed, columns=None if failed else ["sweep", "cell_id", "path", "state", "error"])
+    if not failures.empty:
+        failures = failures.sort_values(["sweep", "cell_id"], kind="stable").reset_index(drop=True)
+    return Results(root=root, cells=cells, failures=failures, kernels=pd.DataFrame(kernels),
+                   config_columns=sorted(config_cols), kernel_columns=sorted(kernel_cols))
+
+
+def load_steps(cell_path: str | Path, explode: str | None = None) -> pd.DataFrame:
+    """One cell's dispatch trace (steps.jsonl), one row per step.
+
+    ``explode``: a column holding a list of per-class objects (e.g. ``classes``): one row per
+    (step, class), the class's fields as ``<explode>.<field>`` columns.
+    """
+    path = Path(cell_path) / "steps.jsonl"
+    if not path.exists():
+        raise SchemaError(f"{path}: `<file>` is missing (a serving cell records its steps)")
+    rows = read_jsonl(path)
+    for i, r in enumerate(rows, 1):
+        _need(isinstance(r, dict), path, f"line {i}", "must be a JSON object")
+    df = pd.DataFrame(rows)
+    if explode is not None and explode in df.columns:
+        df = df.explode(explode, ignore_index=True)
+        inner = pd.json_normalize(df[explode].map(lambda x: x if isinstance(x, dict) else {}).tolist())
+        inner.columns = [f"{explode}.{c}" for c in inner.columns]
+        df = pd.concat([df.drop(columns=[explode]), inner], axis=1)
+    return df

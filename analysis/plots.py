@@ -1,0 +1,92 @@
+"""Figure builders shared by the table modules: ratio heatmaps over Lp x B, lines over Lp."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import seaborn as sns
+
+from analysis.common import NOT_MEASURED, SHORT, placeholder_figure, plt, save_figure, show
+
+sns.set_theme(style="whitegrid", context="paper")
+
+
+def _facets(df: pd.DataFrame, facet: list[str]) -> list[tuple[str, pd.DataFrame]]:
+    if df.empty:
+        return []
+    if not facet:
+        return [("", df)]
+    return [(", ".join(f"{SHORT.get(k, k)}={show(v)}" for k, v in zip(facet, key if isinstance(key, tuple) else (key,))), g)
+            for key, g in df.groupby(facet, sort=True)]
+
+
+def _int_labels(grid: pd.DataFrame) -> pd.DataFrame:
+    fix = lambda v: int(v) if isinstance(v, (float, np.floating)) and float(v).is_integer() else v  # noqa: E731
+    grid.index = [fix(v) for v in grid.index]
+    grid.columns = [fix(v) for v in grid.columns]
+    return grid
+
+
+def ratio_heatmaps(table: pd.DataFrame, name: str, out: Path, rows: str, cols: str, facet: list[str],
+                   value: str = "ratio_vs_sglang_default", systems=("granikv",), title: str = "",
+                   labels: tuple[str, str] = ("Lp", "B")) -> None:
+    """One heatmap per (facet, system) of ``value`` over ``rows`` x ``cols``, drawn over the whole
+    expected grid: cells not measured stay blank (never interpolated)."""
+    df = table[table["system"].isin(systems)] if not table.empty else table
+    measured = df[(df["status"] == "measured") & df[value].notna()] if value in df.columns else df.iloc[0:0]
+    panels = [(f"{lab}{', ' if lab else ''}{s}", g[g["system"] == s]) for lab, g in _facets(df, facet)
+              for s in systems if ((measured["system"] == s) & measured.index.isin(g.index)).any()]
+    if not panels:
+        placeholder_figure(name, out, f"no measured cells with {value}")
+        return
+    n = len(panels)
+    ncol = min(n, 3)
+    nrow = int(np.ceil(n / ncol))
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.4 * nrow), squeeze=False)
+    for ax, (lab, g) in zip(axes.flat, panels):
+        g = g.assign(_v=pd.to_numeric(g[value], errors="coerce"))
+        grid = g.pivot_table(index=rows, columns=cols, values="_v", aggfunc="mean", dropna=False)
+        grid = _int_labels(grid.sort_index(ascending=False))
+        sns.heatmap(grid, annot=True, fmt=".2f", cmap="RdBu", center=1.0, cbar=False, ax=ax)
+        ax.set_title(lab, fontsize=8)
+        ax.set_ylabel(labels[0])
+        ax.set_xlabel(labels[1])
+        ax.grid(False)
+        ax.tick_params(axis="y", rotation=0)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.suptitle(title or value)
+    fig.text(0.5, -0.02, f"blank: {NOT_MEASURED}", ha="center", fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, name, out)
+
+
+def lines_vs(table: pd.DataFrame, name: str, out: Path, x: str, facet: list[str], value: str = "mean",
+             ylabel: str = "output tok/s", title: str = "", logy: bool = False) -> None:
+    """One panel per facet: ``value`` vs ``x`` per system (error bars: rep min-max when present)."""
+    df = table[(table["status"] == "measured")]
+    df = df[df[value].notna()] if value in df.columns else df.iloc[0:0]
+    panels = _facets(df, facet)
+    if not panels:
+        placeholder_figure(name, out, f"no measured cells with {value}")
+        return
+    n = len(panels)
+    fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.4), squeeze=False)
+    for ax, (lab, g) in zip(axes.flat, panels):
+        for s, gs in g.groupby("system", sort=True):
+            gs = gs.sort_values(x)
+            yerr = None
+            if value == "mean" and {"min", "max"} <= set(gs.columns):
+                yerr = np.vstack([(gs["mean"] - gs["min"]).fillna(0), (gs["max"] - gs["mean"]).fillna(0)]).astype(float)
+            ax.errorbar(gs[x].astype(float), gs[value].astype(float), yerr=yerr, marker="o", label=s, capsize=2)
+        ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
+        ax.set_xlabel(SHORT.get(x, x))
+        ax.set_ylabel(ylabel)
+        ax.set_title(lab, fontsize=8)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    save_figure(fig, name, out)

@@ -1,0 +1,119 @@
+"""Profiler prefix-attention kernel time (paper B.3): torch.profiler traces (``trace.json``) of
+the serving cells run with ``profile_steps > 0`` (B=256, Lp=8K), per system.
+
+From each Chrome-format trace we sum, over GPU kernel events (``ph == "X"``, category
+``kernel``), the time of attention kernels: events inside a ``gpu_user_annotation`` named
+``prefix_attention*`` when the engine marks them, else kernels whose name matches
+``ATTENTION_KERNEL`` (FlashInfer decode / prefill / merge-state kernels). ``share`` = attention
+time / all kernel time: the Amdahl fraction f.
+
+Writes tables/profiler.{csv,md} and figures/profiler.{png,pdf}.
+"""
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis.common import (NOT_MEASURED, identity, placeholder_figure, plt, save_figure,
+                             sort_rows, with_derived, write_table)
+from analysis.load import Results
+
+NAME = "profiler"
+FIGURES = (NAME,)
+ATTENTION_KERNEL = re.compile(r"Decode|Prefill|MergeState|merge_state|[Aa]ttention|[Cc]ascade|flash", re.ASCII)
+ANNOTATION = "prefix_attention"
+PROFILED_CONFIGS = ("llama3_8b TP=1", "qwen25_32b TP=4")  # the two configs B.3 traces
+
+
+def trace_times(path: Path) -> dict[str, float]:
+    """``{kernel_ms, attention_ms, source}`` of one torch.profiler trace (see the module docstring);
+    parsed once per file version (traces are large and several modules read them)."""
+    st = Path(path).stat()
+    return dict(_trace_times(str(path), st.st_mtime_ns, st.st_size))
+
+
+@lru_cache(maxsize=256)
+def _trace_times(path: str, mtime_ns: int, size: int) -> dict[str, float]:
+    with open(path) as f:
+        trace = json.load(f)
+    events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
+    kernels = [e for e in events if e.get("ph") == "X" and str(e.get("cat", "")).lower() == "kernel"]
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                   if e.get("ph") == "X" and e.get("cat") == "gpu_user_annotation"
+                   and str(e.get("name", "")).startswith(ANNOTATION))
+    if not kernels:  # a CPU run: torch.profiler saw no GPU kernels
+        return {"kernel_ms": float("nan"), "attention_ms": float("nan"), "source": "no GPU kernel events"}
+    total = sum(e.get("dur", 0) for e in kernels) / 1e3
+    if spans:
+        def inside(e):
+            return any(a <= e["ts"] < b for a, b in spans)
+        attn, source = sum(e.get("dur", 0) for e in kernels if inside(e)) / 1e3, "annotation"
+    else:
+        attn = sum(e.get("dur", 0) for e in kernels if ATTENTION_KERNEL.search(str(e.get("name", "")))) / 1e3
+        source = "kernel names"
+    return {"kernel_ms": total, "attention_ms": attn, "source": source}
+
+
+def trace_frame(res: Results) -> pd.DataFrame:
+    """One row per profiled serving cell that has a trace.json: its config plus trace_times()."""
+    cells = with_derived(res.cells)
+    if cells.empty or "profile_steps" not in cells.columns:
+        return pd.DataFrame()
+    prof = cells[(cells["kind"] == "serving") & (cells["profile_steps"].fillna(0) > 0)]
+    rows = []
+    for _, r in prof.iterrows():
+        p = Path(res.root) / r["path"] / "trace.json"
+        if p.exists():
+            rows.append({**r.to_dict(), **trace_times(p)})
+    df = pd.DataFrame(rows)
+    if not df.empty:
+        df["share"] = df["attention_ms"] / df["kernel_ms"]
+    return df
+
+
+def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
+    """Write this module's table (and, unless ``figures`` is False, its figures); return the table."""
+    tf = trace_frame(res)
+    dims = ["config", "workload.prefix_len", "workload.batch", "system"]
+    if tf.empty:
+        t = pd.DataFrame([{"config": c, "status": NOT_MEASURED} for c in PROFILED_CONFIGS])
+        write_table(t, NAME, out, title="Profiler: prefix-attention kernel time (B=256, Lp=8K)",
+                    note="No serving cell with profile_steps > 0 and a trace.json (sweep=profiler).")
+        if not figures:
+            return t
+        placeholder_figure(NAME, out, "no torch.profiler traces")
+        return t
+    extra = [c for c in identity(tf, res.config_columns) if c not in ("model.name", "tp", "workload.prefix_len",
+                                                                      "workload.batch") and not c.startswith(("system.", "model."))
+             and tf[c].astype(str).nunique() > 1]
+    keys = dims[:-1] + extra
+    g = tf.groupby(keys + ["system"], dropna=False, sort=True)
+    t = g.agg(n=("source", "count"), attention_ms=("attention_ms", "mean"), kernel_ms=("kernel_ms", "mean"),
+              share=("share", "mean"), source=("source", "first")).reset_index()
+    base = t[t["system"] == "sglang_default"][keys + ["attention_ms"]].rename(columns={"attention_ms": "_b"})
+    t = t.merge(base, on=keys, how="left")
+    t["default_over_system"] = t["_b"] / t["attention_ms"]
+    t["status"] = np.where(t["attention_ms"].notna(), "measured", f"{NOT_MEASURED}: trace has no GPU kernel events")
+    t = sort_rows(t.drop(columns=["_b"]), keys + ["system"])
+    write_table(t, NAME, out, {"attention_ms": 1, "kernel_ms": 1, "share": 3, "default_over_system": 2},
+                title="Profiler: prefix-attention kernel time (B=256, Lp=8K)",
+                note="attention_ms / kernel_ms: summed GPU kernel time over the profiled window; "
+                     "default_over_system = sglang_default attention time / this system's (paper: cascade 3.66x Llama TP1, 1.24x Qwen-32B TP4).")
+    if not figures:
+        return t
+    m = t[t["status"] == "measured"]
+    if m.empty:
+        placeholder_figure(NAME, out, "profiler traces hold no GPU kernel events (CPU runs)")
+        return t
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    labels = [f"{c}\n{s}" for c, s in zip(m["config"], m["system"])]
+    ax.barh(labels, m["attention_ms"])
+    ax.set_xlabel("prefix-attention kernel time in window (ms)")
+    fig.tight_layout()
+    save_figure(fig, NAME, out)
+    return t

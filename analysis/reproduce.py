@@ -1,0 +1,65 @@
+"""``python -m analysis.reproduce [--results results/raw] [--out results] [--only tables|figures]``
+
+Loads every cell under ``--results`` (schema-checked), runs every table / figure module into
+``--out``/tables and ``--out``/figures, and writes ``--out``/REPORT.md (claim by claim).
+``--only tables``: tables and the report, no figures; ``--only figures``: the modules with their
+figures (and the tables they are drawn from), no report.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from analysis import (amdahl, dispatch_overhead, dispatch_routing, grid, headline, kernel, limitation, multiprefix,
+                      profiler, sharegpt_matrix)
+from analysis.load import load_results
+
+MODULES = (headline, grid, sharegpt_matrix, multiprefix, kernel, amdahl, dispatch_routing, dispatch_overhead,
+           profiler, limitation)
+
+
+def run(results: str | Path = "results/raw", out: str | Path = "results", only: str | None = None) -> dict:
+    """Regenerate everything; returns {"tables": [...], "figures": [...], "claims": DataFrame | None}."""
+    out = Path(out)
+    res = load_results(results)
+    for m in MODULES:
+        m.build(res, out, figures=only != "tables")
+    tables = [m.NAME for m in MODULES]
+    figs = [f for m in MODULES for f in m.FIGURES]
+    ev = None
+    if only != "figures":
+        from analysis.report import write_report
+        ev = write_report(res, out, tables + ["claims"], figs)
+    return {"tables": tables, "figures": figs, "claims": ev, "results": res}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m analysis.reproduce", description=__doc__.split("\n\n")[1])
+    ap.add_argument("--results", default="results/raw", help="raw results folder (default results/raw)")
+    ap.add_argument("--out", default="results", help="where tables/, figures/ and REPORT.md go (default results)")
+    ap.add_argument("--only", choices=("tables", "figures"), default=None)
+    a = ap.parse_args(argv)
+    if Path(a.results).exists() and not Path(a.results).is_dir():
+        ap.error(f"--results {a.results} is not a folder (give the raw results root, e.g. results/raw)")
+    if Path(a.out).exists() and not Path(a.out).is_dir():
+        ap.error(f"--out {a.out} is not a folder")
+    if not Path(a.results).exists():
+        print(f"note: {a.results} does not exist yet: every cell is reported as not measured", file=sys.stderr)
+    t0 = time.perf_counter()
+    r = run(a.results, a.out, a.only)
+    res = r["results"]
+    print(f"analysis: {len(res.cells)} cells, {len(res.failures)} failed/unfinished, {len(res.kernels)} kernel rows "
+          f"from {a.results}")
+    print(f"wrote {len(r['tables'])} tables to {Path(a.out) / 'tables'}" +
+          (f", {len(r['figures'])} figures to {Path(a.out) / 'figures'}" if a.only != "tables" else ""))
+    if r["claims"] is not None:
+        v = r["claims"]["verdict"].value_counts()
+        print(f"wrote {Path(a.out) / 'REPORT.md'}: " + ", ".join(f"{n} {k}" for k, n in sorted(v.items())))
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

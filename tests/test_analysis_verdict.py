@@ -1,0 +1,123 @@
+"""Claims: the verdict rule at its boundaries, selectors, and the committed claims.csv."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from analysis import claims as C
+from analysis.common import parse_selectors, select
+from analysis.reproduce import MODULES
+
+R, NR, NM = C.REPRODUCED, C.NOT_REPRODUCED, "not measured"
+
+
+@pytest.mark.parametrize("ours,better,want", [
+    (2.16, "higher", R),
+    (2.16 * 0.75, "higher", R),            # exactly 25% below: still within
+    (2.16 * 0.75 - 1e-6, "higher", NR),    # just outside
+    (2.16 * 1.25, None, R),                # exactly 25% above
+    (2.16 * 1.25 + 1e-6, None, NR),        # above the band, no "better" direction
+    (5.0, "higher", R),                    # better than the paper
+    (5.0, "lower", NR),
+])
+def test_point_band_and_better(ours, better, want):
+    assert C.verdict("point", 2.16, ours, better=better, ratio=True) == want
+
+
+def test_point_lower_is_better():
+    assert C.verdict("point", 0.67, 0.30, better="lower", ratio=True) == R
+    assert C.verdict("point", 0.67, 0.67 * 1.25 + 1e-6, better="lower", ratio=True) == NR
+
+
+def test_ratio_direction_must_match():
+    # within 25% of 1.10 but the effect points the other way (or vanished)
+    assert C.verdict("point", 1.10, 0.95, ratio=True) == NR
+    assert C.verdict("point", 1.10, 1.00, ratio=True) == NR
+    assert C.verdict("point", 1.10, 0.95, ratio=False) == R     # absolute values: no direction
+    assert C.verdict("point", 0.70, 1.02, ratio=True) == NR     # a regression claim needs a regression
+    assert C.verdict("point", 0.70, 0.60, ratio=True) == R
+
+
+def test_parity_claims_have_no_direction():
+    assert C.verdict("point", 0.99, 1.02, ratio=True) == R      # |0.99 - 1| < 5%: parity
+    assert C.verdict("point", 0.96, 1.02, ratio=True) == R
+    assert C.verdict("point", 0.95, 1.02, ratio=True) == NR     # at the 5% band the direction counts
+
+
+def test_range():
+    assert C.verdict("range", 1.05, 1.10, paper_hi=1.15, better="higher", ratio=True) == R
+    assert C.verdict("range", 1.05, 1.15 * 1.25, paper_hi=1.15, ratio=True) == R
+    assert C.verdict("range", 1.05, 1.15 * 1.25 + 1e-6, paper_hi=1.15, ratio=True) == NR
+    assert C.verdict("range", 1.05, 3.0, paper_hi=1.15, better="higher", ratio=True) == R
+    assert C.verdict("range", 1.05, 0.99, paper_hi=1.15, better="higher", ratio=True) == NR  # below 1
+
+
+def test_bounds_hold_as_stated():
+    assert C.verdict("bound_ge", 0.97, 0.97) == R
+    assert C.verdict("bound_ge", 0.97, 0.9699) == NR
+    assert C.verdict("bound_le", 0.2, 0.2) == R
+    assert C.verdict("bound_le", 0.2, 0.2001) == NR
+
+
+def test_qualitative_and_missing():
+    assert C.verdict("true", None, True) == R
+    assert C.verdict("true", None, False) == NR
+    for missing in (None, float("nan"), float("inf")):
+        assert C.verdict("point", 2.16, missing, ratio=True) == NM
+        assert C.verdict("bound_ge", 0.97, missing) == NM
+    with pytest.raises(ValueError, match="check"):
+        C.verdict("roughly", 1.0, 1.0)
+
+
+def test_selectors():
+    assert parse_selectors("a=1;b>=2;c!=null;d~x;e=g|h;f<3") == \
+        {"a": "=1", "b": ">=2", "c": "!=null", "d": "~x", "e": "=g|h", "f": "<3"}
+    assert parse_selectors("") == {}
+    with pytest.raises(ValueError, match="operator"):
+        parse_selectors("a")
+    df = pd.DataFrame({"a": [1, 2, 3], "s": ["x", "y", "z"], "n": [None, 1.0, 2.0]})
+    assert list(select(df, {"a": ">=2", "s": "=y|z"})["a"]) == [2, 3]
+    assert list(select(df, {"n": "=null"})["a"]) == [1]
+    assert list(select(df, {"n": "!=null"})["a"]) == [2, 3]
+    assert list(select(df, {"a": "=max", "s": "!=z"})["a"]) == [2]   # max after the other selectors
+    assert list(select(df, {"s": "~y"})["a"]) == [2]
+    assert select(df, {"missing": "=1"}).empty
+
+
+def test_committed_claims_cover_the_paper():
+    df = C.load_claims()
+    vals = {(r["id"], r["paper_value"]) for _, r in df.iterrows()}
+    got = {v for _, v in vals}
+    for want in ("2.16", "1.98", "1.57", "0.97", "1.05", "1.36", "1.38", "300", "0.13", "1.95", "0.99", "1.82",
+                 "15.6", "0.67", "0.03", "0.2", "1.0", "109", "42", "2.6", "0.10", "0.70", "3.66", "1.24", "0.13"):
+        assert want in got, f"paper value {want} missing from claims.csv"
+    assert (df.loc[df["id"].str.startswith("storage_layer"), "paper_value_hi"] == "1.15").all()
+    assert {"monotone_ratio", "roofline_shift", "amdahl_overshoot", "peak_share"} <= set(df["statistic"])
+    assert (df["section"].str.len() > 0).all() and (df["claim"].str.len() > 0).all()
+    names = {m.NAME for m in MODULES}
+    for src in df["source"]:
+        tables = [s.strip().split("/", 1)[1] for s in src.split(",") if s.strip().startswith("tables/")]
+        assert tables and all(t in names for t in tables), src
+
+
+def test_bad_claims_file_names_claim_and_field(tmp_path):
+    df = pd.read_csv(C.CLAIMS_CSV, dtype=str, keep_default_na=False)
+    df.loc[0, "check"] = "roughly"
+    p = tmp_path / "claims.csv"
+    df.to_csv(p, index=False)
+    with pytest.raises(ValueError, match=rf"{df.loc[0, 'id']}.*`check`"):
+        C.load_claims(p)
+    df = pd.read_csv(C.CLAIMS_CSV, dtype=str, keep_default_na=False)
+    df.loc[1, "statistic"] = "vibes"
+    df.to_csv(p, index=False)
+    with pytest.raises(ValueError, match="`statistic`"):
+        C.load_claims(p)
+
+
+def test_amdahl_formula():
+    from analysis.amdahl import amdahl
+    assert amdahl(0.0, 15.6) == 1.0
+    assert math.isclose(amdahl(1.0, 15.6), 15.6)
+    assert math.isclose(amdahl(0.5, 2.0), 1 / 0.75)
