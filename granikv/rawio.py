@@ -96,8 +96,8 @@ def read_jsonl(path: str | Path) -> list[dict]:
 def _git(*args: str) -> str:
     try:
         root = Path(__file__).resolve().parents[1]
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
-                              timeout=10).stdout.strip()
+        r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        return r.stdout.strip() if r.returncode == 0 else ""
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -126,8 +126,10 @@ def provenance() -> dict:
             driver = driver.decode() if isinstance(driver, bytes) else driver
         except Exception:  # noqa: BLE001
             driver = None
-    commit = _git("rev-parse", "HEAD") or os.environ.get("GRANIKV_GIT_COMMIT", "")
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if _git("rev-parse", "HEAD") \
+    # On a host where .git does not travel (the GPU host), the launcher passes the commit in.
+    head = _git("rev-parse", "HEAD")
+    commit = head or os.environ.get("GRANIKV_GIT_COMMIT", "")
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if head \
         else os.environ.get("GRANIKV_GIT_DIRTY", "unknown")
     return {
         "schema_version": SCHEMA_VERSION,

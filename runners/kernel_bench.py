@@ -105,10 +105,12 @@ def resolve(cfg: Any) -> BenchSpec:
 
     c = OmegaConf.to_container(cfg, resolve=True)
     presets = c.pop("presets", {})
-    hw = c["hardware"]
+    hw_cfg = c.pop("hardware")  # the conf/hardware group option, composed by Hydra
+    hw = hw_cfg["name"]
     if hw not in presets:
         raise ValueError(f"kernel_bench.hardware: '{hw}' has no preset; choose one of {sorted(presets)}")
     merged = dict(presets[hw])
+    merged["hardware"] = hw
     for k, v in c.items():
         if v is not None or k not in merged:
             merged[k] = v
@@ -446,4 +448,7 @@ if __name__ == "__main__":
         sys.exit(0)
     import hydra
 
+    from granikv.config import register
+
+    register()
     hydra.main(config_path="../conf", config_name="kernel_bench", version_base=None)(_main)()
