@@ -31,7 +31,7 @@ GPU_LOG_TAG=engine.sh
 source "$(dirname "$0")/env.sh"
 gpu_env_setup || exit 2
 log "pytest -m gpu tests/test_engine_gpu.py (limit 150s)"
-timeout 150 $PY -m pytest -m gpu tests/test_engine_gpu.py -q -p no:cacheprovider -x 2>&1 | tee "$OUT/engine_gpu_tests.log" | tail -15
+PYTHONFAULTHANDLER=1 timeout 150 $PY -m pytest -m gpu tests/test_engine_gpu.py -v -p no:cacheprovider -x 2>&1 | tee "$OUT/engine_gpu_tests.log" | tail -15
 log "engine gpu tests rc=${PIPESTATUS[0]}"
 RES=results/raw/engine_bench
 rm -rf "$RES"
