@@ -109,12 +109,10 @@ for f in conf/hardware/h200.yaml; do [ -f "$f" ] && FILES="$FILES $f"; done
 tar -czf "$OUT/attn_results.tar.gz" results/raw/kernel results/raw/calibration results/raw/attention_gpu $FILES 2>/dev/null
 ls -la "$OUT/attn_results.tar.gz"
 if [ -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then
-  # JIT cache: object files become empty stubs with the SAME mtime (ninja then sees the modules up to
-  # date and only the .so files are needed); pax format keeps nanosecond mtimes. Delete .fi_cache to
-  # force a clean rebuild if a FlashInfer version change ever makes ninja relink a module.
   STAGE=$(mktemp -d)
   cp -a "$FLASHINFER_WORKSPACE_BASE/.cache" "$STAGE/"
-  find "$STAGE/.cache" -name '*.o' -size +0 | while read -r o; do t=$(stat -c %y "$o"); : > "$o"; touch -d "$t" "$o"; done
+  # Object files are kept: emptying them (to save space) left ninja linking modules whose
+  # instantiations were missing (undefined symbol at load, seen 2026-11-30), so the cache travels whole.
   find "$STAGE/.cache" -name '*.lock' -delete
   tar --format=posix -C "$STAGE" -cf - .cache | xz -T16 -6 > "$STAGE/fi_cache.tar.xz"
   rm -f "$OUT"/fi_cache.tar.xz.part-*

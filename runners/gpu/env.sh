@@ -55,14 +55,15 @@ PYEOF
 }
 
 # Pack the JIT cache into $OUT as <= MAX_PARTS parts of 14 MB (dropped, with a warning, if larger).
-# Object files become empty stubs with the same mtime (ninja then needs only the .so files).
+# The whole cache travels (object files too) so ninja can relink a module correctly.
 pack_fi_cache() {
   local MAX_PARTS=${1:-5}
   [ -d "$FLASHINFER_WORKSPACE_BASE/.cache" ] || return 0
   local STAGE
   STAGE=$(mktemp -d)
   cp -a "$FLASHINFER_WORKSPACE_BASE/.cache" "$STAGE/"
-  find "$STAGE/.cache" -name '*.o' -size +0 | while read -r o; do t=$(stat -c %y "$o"); : > "$o"; touch -d "$t" "$o"; done
+  # Object files are kept: emptying them (to save space) left ninja linking modules whose
+  # instantiations were missing (undefined symbol at load, seen 2026-11-30), so the cache travels whole.
   find "$STAGE/.cache" -name '*.lock' -delete
   tar --format=posix -C "$STAGE" -cf - .cache | xz -T16 -6 > "$STAGE/fi_cache.tar.xz"
   rm -f "$OUT"/fi_cache.tar.xz.part-*
