@@ -1,4 +1,4 @@
-"""Profiler prefix-attention kernel time (paper B.3): torch.profiler traces (``trace.json``) of
+"""Profiler prefix-attention kernel time (paper B.3): torch.profiler traces (``trace.json.gz``; plain ``trace.json`` also read) of
 the serving cells run with ``profile_steps > 0`` (B=256, Lp=8K), per system.
 
 From each Chrome-format trace we sum, over GPU kernel events (``ph == "X"``, category
@@ -11,6 +11,7 @@ Writes tables/profiler.{csv,md} and figures/profiler.{png,pdf}.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import re
 from functools import lru_cache
@@ -39,7 +40,7 @@ def trace_times(path: Path) -> dict[str, float]:
 
 @lru_cache(maxsize=256)
 def _trace_times(path: str, mtime_ns: int, size: int) -> dict[str, float]:
-    with open(path) as f:
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
         trace = json.load(f)
     events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
     kernels = [e for e in events if e.get("ph") == "X" and str(e.get("cat", "")).lower() == "kernel"]
@@ -67,8 +68,9 @@ def trace_frame(res: Results) -> pd.DataFrame:
     prof = cells[(cells["kind"] == "serving") & (cells["profile_steps"].fillna(0) > 0)]
     rows = []
     for _, r in prof.iterrows():
-        p = Path(res.root) / r["path"] / "trace.json"
-        if p.exists():
+        found = [Path(res.root) / r["path"] / n for n in ("trace.json.gz", "trace.json")]
+        p = next((f for f in found if f.exists()), None)
+        if p is not None:
             rows.append({**r.to_dict(), **trace_times(p)})
     df = pd.DataFrame(rows)
     if not df.empty:

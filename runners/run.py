@@ -12,7 +12,7 @@ do not change the measurement - results_dir, sweep_name, sweep, launcher, force,
 out). It holds config.json (resolved config + provenance), workload.jsonl (the trace; token
 ids regenerate from seed + workload), requests.jsonl (with output_ids), steps.jsonl (the
 dispatch trace), metrics.json (written last: its presence marks the cell done) and
-telemetry files when available (nvml.csv, trace.json, profile.nsys-rep). A cell with
+telemetry files when available (nvml.csv, trace.json.gz, profile.nsys-rep). A cell with
 metrics.json is skipped unless ``force=true``. A failing cell writes failure.json (error,
 traceback, config) and a sweep goes on. Bad input fails before any work with the key named:
 a sweep checks all its cells first (SweepPrecheck). Under torchrun every rank serves and rank 0
@@ -353,7 +353,7 @@ def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], e
         rawio.write_json(cell / "config.json", {**config, "provenance": rawio.provenance()})
         rawio.write_jsonl(cell / "workload.jsonl", workloads.trace_rows(requests))
     engine = engine_factory(rc)
-    prof = StepProfiler(cell / "trace.json", rc.profile_steps if lead else 0, cuda=rc.hardware.device == "cuda")
+    prof = StepProfiler(cell / "trace.json.gz", rc.profile_steps if lead else 0, cuda=rc.hardware.device == "cuda")
     total = sum(r.output_len for r in requests)
     with tqdm(total=total, unit="tok", desc=cell.name[:48], mininterval=0.5, leave=False, disable=not lead) as bar, \
             NvmlSampler(cell / "nvml.csv", enabled=rc.nvml and lead) as nvml:

@@ -1,6 +1,7 @@
 """runners.run: cell folders, skip/force, failure.json, bad input before any work, telemetry."""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -201,10 +202,10 @@ def test_force_reruns(tmp_path):
 def test_profiler_window_writes_trace(tmp_path):
     cfg = compose_cfg([*SMALL, f"results_dir={tmp_path}", "profile_steps=2", "workload.output_len=12"])
     cell = run_cell(cfg, [])
-    trace = json.loads((cell / "trace.json").read_text())
+    trace = json.loads(gzip.decompress((cell / "trace.json.gz").read_bytes()))
     assert any(e.get("name") == "decode_step" for e in trace["traceEvents"])
     t = rawio.read_json(cell / "metrics.json")["telemetry"]
-    assert t["trace_json"] == "trace.json" and t["profiled_decode_steps"] == 2
+    assert t["trace_json"] == "trace.json.gz" and t["profiled_decode_steps"] == 2
 
 
 def test_nvml_without_gpu_is_a_noop_with_a_note(tmp_path):

@@ -1,4 +1,7 @@
-"""torch.profiler capture of a window of engine steps -> ``trace.json`` (Chrome trace).
+"""torch.profiler capture of a window of engine steps -> ``trace.json.gz`` (gzipped Chrome trace).
+
+Gzipped because a 10-step window of an 8B model is ~17 MB of JSON (~1.5 MB compressed) and raw
+results travel to the GPU host with every call (64 MiB limit); Perfetto opens .json.gz directly.
 
 Used as (part of) the engine's ``on_step`` callback: the profiler starts after step
 ``start_step`` and stops ``num_steps`` decode steps later, so the window covers steady-state
@@ -7,6 +10,8 @@ decode, not start-up. If the run ends first, whatever was captured is still expo
 """
 from __future__ import annotations
 
+import gzip
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -52,8 +57,14 @@ class StepProfiler:
             return
         self._prof.__exit__(None, None, None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(".tmp." + self.path.name)
+        tmp = self.path.with_name(".tmp." + self.path.name.removesuffix(".gz"))
         self._prof.export_chrome_trace(str(tmp))
+        if self.path.suffix == ".gz":
+            gz = tmp.with_name(tmp.name + ".gz")
+            with open(tmp, "rb") as src, gzip.open(gz, "wb", compresslevel=6) as dst:
+                shutil.copyfileobj(src, dst)
+            tmp.unlink()
+            tmp = gz
         tmp.replace(self.path)
         self.note = (f"{self.captured} decode steps after step {self.start_step}"
                      + ("" if self.captured >= self.num_steps else f" (run ended; {self.num_steps} asked)"))
