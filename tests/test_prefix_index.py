@@ -207,3 +207,18 @@ class IndexMachine(RuleBasedStateMachine):
 
 TestIndexMachine = IndexMachine.TestCase
 TestIndexMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+def test_admission_keeps_evicting_past_hot_slabs_until_cold_has_room():
+    kv, idx = make(capacity=100, hot_fraction=0.3)  # HOT 30, COLD 70
+    adm = Admission(idx)
+    hot = adm.admit(list(range(20)), 20)  # the LRU entry: a HOT slab
+    cold = adm.admit(list(range(100, 160)), 60)  # 10 HOT left: no fit -> COLD
+    assert (hot.where, cold.where) == ("hot", "cold")
+    idx.unlock(hot.node)
+    idx.unlock(cold.node)
+    # 25 COLD slots needed, 10 free: the first eviction round takes the older HOT slab (no COLD
+    # room), the next must take the COLD prefix
+    p = adm.admit(list(range(200, 225)), 25)
+    assert p is not None and p.where == "cold"
+    assert kv.hot_pool.used_tokens == 0 and idx.match(list(range(100, 160))).length == 0

@@ -78,8 +78,10 @@ class Admission:
 
     def _alloc_cold(self, n: int) -> torch.Tensor | None:
         pool = self.index.cold_pool
-        if pool.free_tokens < n:
-            self.index.evict(n - pool.free_tokens)
+        # Evicting an LRU HOT slab frees no COLD slot, so keep going until COLD has room or
+        # nothing evictable is left.
+        while pool.free_tokens < n and self.index.evict(n - pool.free_tokens) > 0:
+            pass
         return pool.alloc(n) if pool.free_tokens >= n else None
 
     def _record(self, p: Placement) -> Placement:
