@@ -87,6 +87,13 @@ def _read_config(path: Path) -> dict:
     cfg = _read_dict(path)
     if isinstance(cfg.get("config"), dict) and "model" not in cfg:
         cfg = {**cfg["config"], **{k: v for k, v in cfg.items() if k != "config"}}
+        bench = cfg.get("bench")
+        if isinstance(bench, dict) and isinstance(cfg.get("workload"), dict):
+            # engine_bench cells written before its RunConfig carried the workload (2026-11-30) hold the
+            # dataclass default there; what the bench served is its `bench` arguments (burst, one prefix).
+            wl = {**cfg["workload"], "kind": "synthetic", "arrival": "burst", "num_prefixes": 1}
+            wl.update({k: bench[k] for k in ("prefix_len", "batch", "suffix_len", "output_len") if k in bench})
+            cfg = {**cfg, "workload": wl}
     return cfg
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from granikv import rawio
-from granikv.config import HardwareConfig, ModelConfig, RunConfig
+from granikv.config import HardwareConfig, ModelConfig, RunConfig, WorkloadConfig
 from granikv.engine.engine import Engine
 from granikv.engine.runner import LogitProbe
 from granikv.engine.systems import system_config
@@ -219,8 +219,11 @@ def init_tp(hw: HardwareConfig) -> int:
 
 
 def bench_system(name: str, args, model: ModelConfig, hw: HardwareConfig, out: Path) -> dict:
-    cfg = RunConfig(model=model, system=system_config(name), hardware=hw, seed=args.seed, sweep_name="engine_bench",
-                    tp=args.tp)
+    # the workload this bench serves (burst(): one shared prefix, B requests), recorded in config.json
+    wl = WorkloadConfig(kind="synthetic", arrival="burst", prefix_len=args.prefix_len, batch=args.batch,
+                        suffix_len=args.suffix_len, output_len=args.output_len)
+    cfg = RunConfig(model=model, system=system_config(name), hardware=hw, workload=wl, seed=args.seed,
+                    sweep_name="engine_bench", tp=args.tp)
     t = time.perf_counter()
     engine = Engine(cfg)
     build_s = time.perf_counter() - t
