@@ -25,7 +25,7 @@ import torch
 from granikv import rawio
 from granikv.attention.bench import Shape, measure_peaks
 from granikv.attention.dispatch import check_table
-from runners.kernel_bench import BenchSpec, bench_decode_cell
+from runners.kernel_bench import BenchSpec, bench_decode_cell, merge_preset
 
 OPTIONS = {"paged": "paged", "granikv_cascade": "cascade", "dense": "dense"}
 
@@ -33,21 +33,11 @@ OPTIONS = {"paged": "paged", "granikv_cascade": "cascade", "dense": "dense"}
 def resolve(cfg: Any) -> tuple[BenchSpec, dict]:
     from omegaconf import OmegaConf
 
-    c = OmegaConf.to_container(cfg, resolve=True)
-    presets = c.pop("presets", {})
-    hw_cfg = c.pop("hardware")  # the conf/hardware group option, composed by Hydra
-    hw = hw_cfg["name"]
-    if hw not in presets:
-        raise ValueError(f"calibrate.hardware: '{hw}' has no preset; choose one of {sorted(presets)}")
-    merged = dict(presets[hw])
-    merged["hardware"] = hw
-    for k, v in c.items():
-        if v is not None or k not in merged:
-            merged[k] = v
+    merged = merge_preset(OmegaConf.to_container(cfg, resolve=True), "calibrate")
+    hw = merged["hardware"]
     own = {k: merged.pop(k) for k in ("hardware_yaml", "write_table")}
     if own["hardware_yaml"] is None:
         own["hardware_yaml"] = str(Path(__file__).resolve().parents[1] / "conf" / "hardware" / f"{hw}.yaml")
-    merged["shapes"] = [Shape(**s) for s in merged["shapes"]]
     spec = BenchSpec(num_prefixes=[1], backends=list(OPTIONS), layout_batch=1, layout_prefix_lens=[1], layout=False,
                      dispatch_cost=False, **merged)
     return spec, own

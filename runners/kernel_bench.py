@@ -99,22 +99,31 @@ class BenchSpec:
         return DTYPES[self.dtype]
 
 
-def resolve(cfg: Any) -> BenchSpec:
-    """Merge the hardware preset with the overrides; load conf/hardware/<hw>.yaml's table if present."""
-    from omegaconf import OmegaConf
 
-    c = OmegaConf.to_container(cfg, resolve=True)
+def merge_preset(c: dict, tool: str) -> dict:
+    """The ``presets[<hardware name>]`` entry overlaid with every non-null top-level key.
+
+    ``hardware`` is the conf/hardware group option Hydra composed; its ``name`` picks the preset.
+    Shared by kernel_bench and calibrate.
+    """
     presets = c.pop("presets", {})
-    hw_cfg = c.pop("hardware")  # the conf/hardware group option, composed by Hydra
-    hw = hw_cfg["name"]
+    hw = c.pop("hardware")["name"]
     if hw not in presets:
-        raise ValueError(f"kernel_bench.hardware: '{hw}' has no preset; choose one of {sorted(presets)}")
-    merged = dict(presets[hw])
-    merged["hardware"] = hw
+        raise ValueError(f"{tool}.hardware: '{hw}' has no preset; choose one of {sorted(presets)}")
+    merged = {**presets[hw], "hardware": hw}
     for k, v in c.items():
         if v is not None or k not in merged:
             merged[k] = v
     merged["shapes"] = [Shape(**s) for s in merged["shapes"]]
+    return merged
+
+
+def resolve(cfg: Any) -> BenchSpec:
+    """Merge the hardware preset with the overrides; load conf/hardware/<hw>.yaml's table if present."""
+    from omegaconf import OmegaConf
+
+    merged = merge_preset(OmegaConf.to_container(cfg, resolve=True), "kernel_bench")
+    hw = merged["hardware"]
     if merged.get("decision_table") is None:
         hw_yaml = Path(__file__).resolve().parents[1] / "conf" / "hardware" / f"{hw}.yaml"
         if hw_yaml.exists():

@@ -20,46 +20,9 @@
 # skipped on the next call (carry results/raw/... back). A summary table is printed at the end.
 set -uo pipefail
 T0=$(date +%s)
-BUDGET_S=${GRANIKV_BUDGET_S:-540}          # whole call; keep < the run's timeout_s
-PACK_RESERVE_S=${GRANIKV_PACK_RESERVE_S:-60}
-OUT=${OUT:-$PWD/.out}
-mkdir -p "$OUT"
-ROOT=$PWD
-left() { echo $(( BUDGET_S - PACK_RESERVE_S - ($(date +%s) - T0) )); }
-log() { echo "[attention.sh +$(( $(date +%s) - T0 ))s] $*"; }
-
-export GRANIKV_GIT_COMMIT=${GRANIKV_GIT_COMMIT:-unknown}
-export GRANIKV_GIT_DIRTY=${GRANIKV_GIT_DIRTY:-unknown}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export MAX_JOBS=16 FLASHINFER_CUDA_ARCH_LIST=9.0a
-export FLASHINFER_WORKSPACE_BASE=$ROOT/.fi_cache
-SITE=$ROOT/.gpu_site/site
-PY=${PYTHON:-python3}
-
-# ---- (1) environment ------------------------------------------------------------------------
-mkdir -p "$SITE" "$FLASHINFER_WORKSPACE_BASE"
-if [ ! -d "$SITE/flashinfer" ]; then
-  FI_TAR=$(ls "$ROOT"/.gpu_site/flashinfer-*.tar.xz 2>/dev/null | head -1)
-  [ -n "$FI_TAR" ] || { echo "ERROR: .gpu_site/flashinfer-0.7.2.post1.tar.xz not carried"; exit 2; }
-  tar -xJf "$FI_TAR" -C "$SITE" || { echo "ERROR: could not extract $FI_TAR"; exit 2; }
-fi
-if [ ! -d "$SITE/tvm_ffi" ]; then
-  WHL=$(ls "$ROOT"/.whl/apache_tvm_ffi-*.whl 2>/dev/null | head -1)
-  [ -n "$WHL" ] || { echo "ERROR: .whl/apache_tvm_ffi-*.whl not carried"; exit 2; }
-  $PY -m pip install -q --no-deps --target "$SITE" "$WHL" || { echo "ERROR: pip install $WHL failed"; exit 2; }
-fi
-if ls "$FLASHINFER_WORKSPACE_BASE"/parts/fi_cache.tar.xz.part-* >/dev/null 2>&1 && [ ! -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then
-  cat "$FLASHINFER_WORKSPACE_BASE"/parts/fi_cache.tar.xz.part-* | tar -xJ -C "$FLASHINFER_WORKSPACE_BASE" \
-    && log "restored the FlashInfer JIT cache" || log "WARNING: could not restore the JIT cache (cold build)"
-fi
-export PYTHONPATH=$ROOT:$SITE:$ROOT/.gpu_site/py${PYTHONPATH:+:$PYTHONPATH}
-$PY - <<'PYEOF' || { echo "ERROR: environment check failed (see above)"; exit 2; }
-import torch, yaml, hydra, omegaconf, flashinfer, granikv
-print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.get_device_name(0))
-print("flashinfer", flashinfer.__version__, flashinfer.__file__)
-print("granikv", granikv.__file__)
-PYEOF
-log "environment ready"
+GPU_LOG_TAG=attention.sh
+source "$(dirname "$0")/env.sh"   # shared setup: FlashInfer, tvm-ffi, hydra, the JIT cache, log/left/pack_fi_cache
+gpu_env_setup || exit 2
 
 # ---- (2) GPU tests ----------------------------------------------------------------------------
 GT=$ROOT/results/raw/attention_gpu
@@ -108,23 +71,8 @@ FILES=""
 for f in conf/hardware/h200.yaml; do [ -f "$f" ] && FILES="$FILES $f"; done
 tar -czf "$OUT/attn_results.tar.gz" results/raw/kernel results/raw/calibration results/raw/attention_gpu $FILES 2>/dev/null
 ls -la "$OUT/attn_results.tar.gz"
-if [ -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then
-  STAGE=$(mktemp -d)
-  cp -a "$FLASHINFER_WORKSPACE_BASE/.cache" "$STAGE/"
-  # Object files are kept: emptying them (to save space) left ninja linking modules whose
-  # instantiations were missing (undefined symbol at load, seen 2026-11-30), so the cache travels whole.
-  find "$STAGE/.cache" -name '*.lock' -delete
-  tar --format=posix -C "$STAGE" -cf - .cache | xz -T16 -6 > "$STAGE/fi_cache.tar.xz"
-  rm -f "$OUT"/fi_cache.tar.xz.part-*
-  split -b 14m "$STAGE/fi_cache.tar.xz" "$OUT/fi_cache.tar.xz.part-"
-  NP=$(ls "$OUT"/fi_cache.tar.xz.part-* | wc -l)
-  if [ "$NP" -gt 5 ]; then
-    log "WARNING: JIT cache needs $NP parts (> 5 allowed); dropping it from \$OUT (next call builds cold)"
-    rm -f "$OUT"/fi_cache.tar.xz.part-*
-  fi
-  rm -rf "$STAGE"
-  ls -la "$OUT"
-fi
+pack_fi_cache 5
+ls -la "$OUT"
 
 # ---- summary ------------------------------------------------------------------------------------
 $PY - <<'PYEOF'

@@ -46,7 +46,7 @@ gpu_env_setup() {
   fi
   export PYTHONPATH=$ROOT:$SITE:$ROOT/.gpu_site/py${PYTHONPATH:+:$PYTHONPATH}
   $PY - <<'PYEOF' || { echo "ERROR: environment check failed (see above)"; return 2; }
-import torch, flashinfer, granikv
+import torch, yaml, hydra, omegaconf, flashinfer, granikv
 print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.get_device_name(0))
 print("flashinfer", flashinfer.__version__, flashinfer.__file__)
 print("granikv", granikv.__file__)
