@@ -86,6 +86,49 @@ def test_cuda_graph_replay_after_replan(name):
 
 
 @needs_fi
+@pytest.mark.parametrize("mode", ["cascade_only", "dense_only", "table"])
+def test_cuda_graph_replay_after_replan_new_class_rows(mode):
+    """A graph captured with two split-off classes replays correctly after a re-plan with the same
+    graph_key but other rows in the classes (regression: two cascade classes' rows lived in a tensor
+    re-allocated by every plan(), read by the captured graph at its old address)."""
+    from granikv.attention.backends import GranikvBackend
+    from granikv.attention.dispatch import Dispatcher
+
+    hq, hkv, d = 8, 2, 128
+    table = [{"lp_min": 500, "choice": "dense"}, {"choice": "cascade"}]     # table: 700 dense, 300 cascade
+    be = GranikvBackend(hq, hkv, d, dispatcher=Dispatcher(hq, hkv, d, "test", table, mode=mode), device="cuda",
+                        dtype=torch.bfloat16, cuda_graph=True)
+    steps: dict = {}
+    for seed in range(200):         # two layouts with one graph_key and different class rows
+        k, v, batch = make_step(seed, hkv, d, [700, 300], [6, 6], [True, True], n_noprefix=4, max_suffix=1,
+                                dtype=torch.bfloat16, device="cuda")
+        be.plan(batch)
+        got = steps.setdefault(be.graph_key(), {})
+        got.setdefault(tuple(tuple(c.rows) for c in be._plan.classes), (k, v, batch))
+        if len(got) == 2:
+            break
+    assert len(got) == 2, "no two layouts with one graph_key"
+    (k, v, b1), (k2, v2, b2) = list(got.values())
+    q = torch.randn(b1.batch_size, hq, d, device="cuda").bfloat16()
+    be.plan(b1)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        be.run(q, k, v)               # warm-up / JIT outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = be.run(q, k, v)
+    k.copy_(k2)                       # the graph reads these buffers: the new step's data goes into them
+    v.copy_(v2)
+    q.copy_(torch.randn_like(q))
+    be.plan(b2)
+    g.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, _ref(q, k, v, b2)) <= 2e-2, be.last_decisions
+
+
+@needs_fi
 def test_prefill_matches_reference():
     from granikv.attention.prefill import PrefillAttention
 

@@ -83,7 +83,10 @@ class WrapperSet:
             return
         fo.plan_decode(self.decode, p.rest_indptr_host, p.rest_indices, self.last_page_len[:b], be.hq, be.hkv, be.d,
                        be.dtype, be.dtype, be.sm_scale)
-        # rows of the split classes, packed class after class into one persistent buffer
+        # rows of the split classes, packed class after class into one persistent buffer, cascade
+        # classes first: their rows are then one contiguous view rows_buf[:n_cascade_rows], the same
+        # storage at every plan() (a captured graph keeps reading it; the order is fixed by graph_key())
+        split.sort(key=lambda c: c.choice != "cascade")             # stable
         self.segments = []           # (choice, rows view, lp, hot_start, slots view)
         off, soff = 0, 0
         for c in split:
@@ -112,13 +115,7 @@ class WrapperSet:
                                   torch.cat([c.slots for c in cas]), be.hq, be.hkv, be.d, causal=False,
                                   sm_scale=be.sm_scale, q_dtype=be.dtype, kv_dtype=be.dtype,
                                   last_page_len=self.last_page_len[:len(cas)])
-            # cascade classes' rows are contiguous in rows_buf only if they come first: gather them explicitly
-            idx = [i for i, s in enumerate(self.segments) if s[0] == "cascade"]
-            self.cas_rows = torch.cat([self.segments[i][1] for i in idx]) if len(idx) > 1 else self.segments[idx[0]][1]
-            if self.graph and len(idx) > 1:       # persistent copy for graph replay
-                self.cas_rows_buf = torch.empty_like(self.cas_rows)
-                self.cas_rows_buf.copy_(self.cas_rows)
-                self.cas_rows = self.cas_rows_buf
+            self.cas_rows = self.rows_buf[:qo[-1]]      # the cascade classes' rows, in qo order (packed first)
 
     def run(self, p, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         be = self.be
