@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One round of the measurement campaign on the GPU host: ONE device `run` (<= 10 min), resumable.
+#
+#   run(command="GRANIKV_GIT_COMMIT=<sha> bash runners/gpu/sweep.sh synthetic_grid [more presets] -- [overrides]",
+#       timeout_s=600, carry=[".gpu_site", ".whl", ".fi_cache"])
+#   (2 GPUs: GRANIKV_TP=2 ... sweep.sh headline_qwen25_14b, on the nvidia-h200-x2 kind)
+#
+# Runs `python -m runners.run -m sweep=<preset> <overrides>` for each preset until the call's time
+# budget (GRANIKV_BUDGET_S, default 540 s) is spent. Cells already holding metrics.json are skipped
+# (carried back in results/raw), and a cell cut off by the budget leaves no metrics.json, so the
+# next round resumes where this one stopped. Packs into $OUT:
+#   raw.tar.gz.part-*        every cell folder written or changed in this call (<= 14 MB parts)
+#   sweep.log                the full log
+#   fi_cache.tar.xz.part-*   the FlashInfer JIT cache for the next call (put in .fi_cache/parts/)
+# Here: `cat <files_at>/raw.tar.gz.part-* | tar -xz` in the repo root, then commit results/raw.
+set -uo pipefail
+T0=$(date +%s)
+GPU_LOG_TAG=sweep.sh
+source "$(dirname "$0")/env.sh"
+gpu_env_setup || exit 2
+PRESETS=(); EXTRA=()
+while [ $# -gt 0 ]; do
+  if [ "$1" = "--" ]; then shift; EXTRA=("$@"); break; fi
+  PRESETS+=("$1"); shift
+done
+[ ${#PRESETS[@]} -gt 0 ] || { echo "usage: sweep.sh PRESET [PRESET ...] [-- overrides]"; exit 2; }
+MARK=$(mktemp); touch "$MARK"; sleep 1
+TP=${GRANIKV_TP:-1}
+LAUNCH="$PY -m runners.run"
+[ "$TP" -gt 1 ] && LAUNCH="$PY -m torch.distributed.run --standalone --nproc_per_node=$TP -m runners.run"
+for P in "${PRESETS[@]}"; do
+  T=$(left)
+  if [ "$T" -lt 60 ]; then log "budget spent: $P not started (the next round runs it)"; continue; fi
+  log "sweep=$P ${EXTRA[*]} (limit ${T}s)"
+  timeout "$T" $LAUNCH -m "sweep=$P" "${EXTRA[@]}" 2>&1 | tee -a "$OUT/sweep.log" | grep -E "^\[runners.run\]|Error|error|FAILED" | tail -40
+  log "sweep=$P rc=${PIPESTATUS[0]} (124 = cut by the budget; resumable)"
+done
+# finished (metrics.json) or failed (failure.json) cells only: a cell cut off mid-run is rerun next round
+CHANGED=$(find results/raw -newer "$MARK" \( -name metrics.json -o -name failure.json \) 2>/dev/null \
+          | grep -v '/\.' | sed 's|/[^/]*$||' | sort -u)
+if [ -n "$CHANGED" ]; then
+  tar -czf - $CHANGED | split -b 14m - "$OUT/raw.tar.gz.part-"
+  log "packed $(echo "$CHANGED" | wc -l) cell folders"
+else
+  log "no cell written"
+fi
+pack_fi_cache 3
+ls -la "$OUT"
+$PY - <<'PYEOF'
+import json, pathlib
+print("\n== cells with metrics.json ==")
+for m in sorted(pathlib.Path("results/raw").glob("*/*/metrics.json")):
+    d = json.loads(m.read_text())
+    if "output_throughput_tok_s" in d:
+        print(f"{m.parent.parent.name}/{m.parent.name[:90]}: {d['output_throughput_tok_s']:.0f} tok/s, "
+              f"TPOT p50 {d.get('tpot_p50_ms') or float('nan'):.1f} ms")
+PYEOF
+log "done"
