@@ -46,3 +46,16 @@ def make_step(seed: int, hkv: int, d: int, class_lps: list[int], class_sizes: li
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def flashinfer_available() -> bool:
+    """True on a CUDA machine where flashinfer imports (the GPU tests' skip condition)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import flashinfer  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001 - any import failure means: not runnable here
+        return False

@@ -2,23 +2,13 @@
 import pytest
 import torch
 
-from attn_util import make_step, rel_err
+from attn_util import flashinfer_available, make_step, rel_err
 from granikv.attention import reference as R
 
 pytestmark = pytest.mark.gpu
 
 
-def _fi_ok():
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import flashinfer  # noqa: F401
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
-
-needs_fi = pytest.mark.skipif(not _fi_ok(), reason="needs CUDA and flashinfer")
+needs_fi = pytest.mark.skipif(not flashinfer_available(), reason="needs CUDA and flashinfer")
 MIXED = [{"lp_max": 64, "choice": "paged"}, {"meff_min": 64, "choice": "dense"}, {"choice": "cascade"}]
 SHAPES = [(32, 8, 128), (20, 4, 128), (8, 8, 128)]
 

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from attn_util import flashinfer_available
 from granikv.config import HardwareConfig, ModelConfig, RunConfig
 from granikv.engine.engine import Engine
 from granikv.engine.model import generate_reference
@@ -22,17 +23,7 @@ from granikv.request import Request
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:no decision-table rules:RuntimeWarning")]
 
 
-def _fi_ok() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import flashinfer  # noqa: F401
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
-
-needs_fi = pytest.mark.skipif(not _fi_ok(), reason="needs CUDA and flashinfer")
+needs_fi = pytest.mark.skipif(not flashinfer_available(), reason="needs CUDA and flashinfer")
 MODEL = dict(name="small128", hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128,
              intermediate_size=1024, vocab_size=1024, max_position_embeddings=4096)
 
