@@ -129,7 +129,9 @@ def provenance() -> dict:
     # On a host where .git does not travel (the GPU host), the launcher passes the commit in.
     head = _git("rev-parse", "HEAD")
     commit = head or os.environ.get("GRANIKV_GIT_COMMIT", "")
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if head \
+    # untracked files count (a new, uncommitted module may have been imported); results/ does not
+    # (a sweep writes new cells there while it runs)
+    dirty = bool(_git("status", "--porcelain", "--", ".", ":(exclude)results")) if head \
         else os.environ.get("GRANIKV_GIT_DIRTY", "unknown")
     return {
         "schema_version": SCHEMA_VERSION,
