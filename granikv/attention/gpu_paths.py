@@ -168,14 +168,18 @@ class GpuPaths:
         self.sets: dict = {}
         self.current: Optional[WrapperSet] = None
 
-    def plan(self, p) -> None:
+    def plan(self, p, graph: Optional[bool] = None) -> None:
+        """Plan step ``p`` on its wrapper set. ``graph``: whether the caller may replay a CUDA graph of
+        this step (None = ``be.cuda_graph``). Eager steps share ONE set (key None), rebuilt when too
+        small: a graph-mode set per batch size the runner never captures would pin memory forever."""
         be = self.be
-        key = be.graph_key() if be.cuda_graph else None
+        graph = be.cuda_graph if graph is None else (bool(graph) and be.cuda_graph)
+        key = be.graph_key() if graph else None
         ws = self.sets.get(key)
-        if ws is None or (not be.cuda_graph and not self._fits(ws, p)):
+        if ws is None or (not graph and not self._fits(ws, p)):
             from granikv.attention.backends import _pow2
 
-            ws = WrapperSet(be, be.cuda_graph, p.batch_size, _pow2(p.rest_indices.numel()), p.classes)
+            ws = WrapperSet(be, graph, p.batch_size, _pow2(p.rest_indices.numel()), p.classes)
             self.sets[key] = ws
         ws.plan(p)
         self.current = ws
