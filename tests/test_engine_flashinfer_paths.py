@@ -88,6 +88,8 @@ def _trace_plans(eng) -> list[dict]:
     orig = be.plan
 
     def plan(batch, graph=None):
+        # the runner hands plan() the host copy of kv_indptr (no device->host sync per step on the GPU)
+        assert batch.kv_indptr_host is not None and torch.equal(batch.kv_indptr_host, batch.kv_indptr.cpu())
         orig(batch, graph)
         ws = be._gpu.current
         seen.append({"bs": batch.batch_size, "npad": batch.num_pad, "graph": graph, "key": be.graph_key(),

@@ -23,7 +23,8 @@ KV (tensor cores per SGLang's rule), and the prefix states are merged in. The ba
 Device paths: ``device.type == 'cpu'`` -> torch reference math (granikv.attention.reference);
 ``cuda`` -> FlashInfer (granikv.attention.flashinfer_ops). CUDA graphs: with ``cuda_graph=True``
 plan() writes into persistent buffers owned by a wrapper set per ``graph_key()``; run() is then
-capturable and replayable for every later step with the same key (see graph_key()).
+capturable and replayable for every later step with the same key (see graph_key()); a step
+planned with ``graph=False`` (run eagerly by the caller) uses the one eager wrapper set instead.
 """
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """The FlashInfer (GPU) execution of a StepPlan: wrapper sets, persistent buffers, CUDA-graph mode.
 
 One ``WrapperSet`` holds the FlashInfer wrappers and the index buffers of one step structure.
-Eager mode (``cuda_graph=False``) uses a single set re-planned every step. Graph mode keeps one
-set per ``backend.graph_key()``: a graph-mode FlashInfer wrapper cannot change its batch size,
-and a captured graph bakes in buffer addresses, so everything run() reads lives in buffers that
-plan() overwrites in place. Per layer, run() issues:
+Eager mode (``cuda_graph=False``, or a step planned with ``graph=False``: one the runner will not
+replay from a graph, e.g. above ``cuda_graph_max_bs``) uses a single set (key None) re-planned
+every step. Graph mode keeps one set per ``backend.graph_key()``: a graph-mode FlashInfer wrapper
+cannot change its batch size, and a captured graph bakes in buffer addresses, so everything run()
+reads lives in buffers that plan() overwrites in place. Per layer, run() issues:
 
   rest decode (1 launch set) -> per split class: dense single prefill on the HOT slab view /
   hydragen gather + single prefill / ONE paged batch prefill for all per-class-cascade classes
