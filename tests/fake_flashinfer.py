@@ -50,6 +50,9 @@ class _Paged:
         return self.state
 
 
+DECODE_WRAPPERS: list = []      # every decode wrapper built (tests check their settings, e.g. tensor cores)
+
+
 class BatchDecodeWithPagedKVCacheWrapper(_Paged):
     def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
                  paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
@@ -59,6 +62,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
         if use_cuda_graph:
             assert paged_kv_last_page_len_buffer.numel() == paged_kv_indptr_buffer.numel() - 1
         self.use_tensor_cores = use_tensor_cores
+        DECODE_WRAPPERS.append(self)
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *, q_data_type=None,
              kv_data_type=None, sm_scale=None, **kw):

@@ -129,3 +129,114 @@ def test_graph_replay_after_replan_with_new_class_rows(name, mode):
              if isinstance(t, torch.Tensor) and t.data_ptr() != ws.__dict__[a].data_ptr()]
     assert rel_err(out, ref) <= 1e-5, (name, mode, be.last_decisions, f"re-allocated by plan(): {moved}")
     assert not moved, f"plan() re-allocated {moved}: a captured graph would read the old storage"
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("graph", [False, True])
+def test_decode_tensor_cores_follow_sglang_rule(name, graph):
+    """SGLang's rule for every backend's decode wrappers: bf16 KV with Hq/Hkv >= 4 -> use_tensor_cores=True,
+    Hq/Hkv = 2 -> False (baselines get SGLang's settings; regression guard for flashinfer_ops/gpu_paths)."""
+    from granikv.attention.backends import BACKEND_CLASSES, GranikvBackend
+
+    layouts = [([100], [6], [True], 0), ([4, 100, 100, 60], [2, 1, 4, 5], [True, True, True, False], 2),
+               ([30, 30], [3, 3], [True, False], 1), ([], [], [], 3)]
+    for hq, hkv, want in ((8, 2, True), (16, 2, True), (4, 2, False), (2, 2, False)):
+        kw = dict(device="cpu", dtype=torch.bfloat16, cuda_graph=graph, impl="flashinfer")
+        if name == "granikv":
+            be = GranikvBackend(hq, hkv, 8, dispatcher=Dispatcher(hq, hkv, 8, "t", MIXED), **kw)
+        else:
+            be = BACKEND_CLASSES[name](hq, hkv, 8, **kw)
+        fake_flashinfer.DECODE_WRAPPERS.clear()
+        for seed, (lps, sizes, hot, nopfx) in enumerate(layouts):
+            be.plan(make_step(seed, hkv, 8, lps, sizes, hot, n_noprefix=nopfx, max_suffix=5)[2], graph=graph)
+            be.plan(make_step(seed, hkv, 8, lps, sizes, hot, n_noprefix=nopfx, max_suffix=5)[2], graph=False)
+        built = fake_flashinfer.DECODE_WRAPPERS
+        assert built, (name, graph, "no decode wrapper built")
+        assert all(w.use_tensor_cores is want for w in built), (name, graph, hq, hkv,
+                                                                  [w.use_tensor_cores for w in built])
+
+
+def _padded_class_step(seed, hkv, d, n_real, n_pad, lp=40, hot=True):
+    """A step of ``n_real`` requests in one class plus ``n_pad`` CUDA-graph pad rows inside the class (the
+    engine's padding): pad rows hold the prefix slots and one scratch slot; DecodeBatch.num_pad marks them."""
+    from granikv.attention.batch import DecodeBatch
+
+    k, v, b = make_step(seed, hkv, d, [lp], [n_real], [hot], max_suffix=4)
+    ind, ptr = b.kv_indices.tolist(), b.kv_indptr.tolist()
+    scratch = min(set(range(k.shape[0])) - set(ind))     # an unused slot (make_step leaves spare room)
+    prefix = ind[:lp]
+    for _ in range(n_pad):
+        ind += prefix + [scratch]
+        ptr.append(len(ind))
+    bs = n_real + n_pad
+    return k, v, DecodeBatch(torch.tensor(ptr), torch.tensor(ind), [lp] * bs, [b.prefix_ids[0]] * bs,
+                             [b.hot_starts[0]] * bs, kv_indptr_host=torch.tensor(ptr), num_pad=n_pad)
+
+
+@pytest.mark.parametrize("name", ["dense", "hydragen", "granikv", "cascade"])
+def test_padded_single_class_full_cover(name):
+    """Pad rows in the one class: the no-gather full-cover path (multilevel for cascade), class size =
+    padded batch in graph_key(), and the real rows' outputs equal the reference."""
+    hq, hkv, d = 8, 2, 8
+    be = _make(name, hq, hkv, d, True)
+    k, v, batch = _padded_class_step(3, hkv, d, 5, 3)
+    be.plan(batch)
+    ws = be._gpu.current
+    assert ws.multilevel if name == "cascade" else ws.full_cover, be.last_decisions
+    assert be.graph_key()[3][0][1] == 8
+    q = torch.randn(8, hq, d)
+    ref, _ = R.paged_decode_ref(q, k, v, batch.kv_indptr, batch.kv_indices)
+    assert rel_err(be.run(q, k, v)[:5], ref[:5]) <= 1e-5
+
+
+def test_pad_rows_do_not_change_the_decision_and_skip_a_paged_prefix():
+    """granikv decides on real rows (num_pad excluded): 3 real rows + 5 pad rows with dense from B_class 4
+    -> cascade, as unpadded; with a paged rule the pad rows skip the prefix (1-token rows, as SGLang pads)."""
+    from granikv.attention.backends import GranikvBackend
+
+    hq, hkv, d = 8, 2, 8
+    rules = {"split": [{"meff_min": 4 * 4, "choice": "dense"}, {"choice": "cascade"}], "paged": [{"choice": "paged"}]}
+    for rule, want in (("split", "cascade"), ("paged", "paged")):
+        for graph in (False, True):
+            be = GranikvBackend(hq, hkv, d, dispatcher=Dispatcher(hq, hkv, d, "t", rules[rule]), device="cpu",
+                                dtype=torch.float32, cuda_graph=graph, impl="flashinfer")
+            k, v, batch = _padded_class_step(4, hkv, d, 3, 5)
+            be.plan(batch)
+            assert [c.choice for c in be._plan.classes] == [want]
+            if rule == "paged":
+                rest = be._plan.rest_indptr_host
+                assert (rest[4:] - rest[3:-1]).tolist() == [1] * 5      # pad rows: the scratch slot only
+            q = torch.randn(8, hq, d)
+            ref, _ = R.paged_decode_ref(q, k, v, batch.kv_indptr, batch.kv_indices)
+            assert rel_err(be.run(q, k, v)[:3], ref[:3]) <= 1e-5
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_plan_reads_host_indptr_without_device_copy(name):
+    """With DecodeBatch.kv_indptr_host set (the engine sets it), plan() must not copy kv_indptr back to the
+    host (a device->host sync every decode step on the GPU); results match the reference."""
+    from torch.overrides import TorchFunctionMode
+
+    hq, hkv, d = 8, 2, 8
+    k, v, batch = make_step(7, hkv, d, [40, 20], [3, 2], [True, False], n_noprefix=2, max_suffix=4)
+    batch.kv_indptr_host = batch.kv_indptr.clone()
+    watched = batch.kv_indptr
+    host_reads = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__int__,
+                  torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.__getitem__}
+    hits = []
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in host_reads and args and args[0] is watched:
+                if not (func is torch.Tensor.to and any(isinstance(a, torch.dtype) for a in args[1:])
+                        and not any(isinstance(a, (str, torch.device)) for a in args[1:])):
+                    hits.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    be = _make(name, hq, hkv, d, False)
+    with Watch():
+        be.plan(batch)
+    assert not hits, f"plan() read kv_indptr back to the host via {hits}"
+    q = torch.randn(batch.batch_size, hq, d)
+    ref, _ = R.paged_decode_ref(q, k, v, batch.kv_indptr, batch.kv_indices)
+    assert rel_err(be.run(q, k, v), ref) <= 1e-5

@@ -29,14 +29,14 @@ def fake_fi(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.module())
 
 
-def flashinfer_engine(name: str, graph: bool, **kw) -> Engine:
+def flashinfer_engine(name: str, graph: bool, table=MIXED, **kw) -> Engine:
     """An Engine whose decode backend and prefill attention take the FlashInfer code paths."""
     eng = Engine(make_cfg(name, **kw), pad_batches=graph)
     m, s = eng.cfg.model, eng.cfg.system
     args = (m.num_heads, m.num_kv_heads, m.head_dim)
     opts = dict(device="cpu", dtype=torch.float32, cuda_graph=graph, impl="flashinfer")
     if s.backend == "granikv":
-        be = GranikvBackend(*args, dispatcher=Dispatcher(*args, "t", MIXED, mode=s.dispatch), **opts)
+        be = GranikvBackend(*args, dispatcher=Dispatcher(*args, "t", table, mode=s.dispatch), **opts)
     else:
         be = BACKEND_CLASSES[s.backend](*args, **opts)
     eng.backend = eng.runner.backend = be
@@ -68,3 +68,83 @@ def test_engine_on_flashinfer_paths(name, graph):
         assert "cascade" in used
     if name == "granikv":
         assert {"dense", "cascade"} <= used or {"dense", "paged"} <= used
+
+
+def _wave(n: int, lp: int = 60, seed: int = 3, first_rid: int = 200):
+    """``n`` requests sharing one ``lp``-token prefix, output lengths 1..n: the decode batch drains n -> 1."""
+    import random
+
+    from granikv.request import Request
+
+    rng = random.Random(seed)
+    pre = [rng.randrange(512) for _ in range(lp)]
+    return [Request(first_rid + i, pre + [rng.randrange(512) for _ in range(1 + i % 3)], 1 + i, shared_len=lp,
+                    prefix_class=0) for i in range(n)]
+
+
+def _trace_plans(eng) -> list[dict]:
+    """Record, per backend.plan() of the engine's decode steps: batch, pads, graph flag, key, full cover."""
+    be, seen = eng.backend, []
+    orig = be.plan
+
+    def plan(batch, graph=None):
+        # the runner hands plan() the host copy of kv_indptr (no device->host sync per step on the GPU)
+        assert batch.kv_indptr_host is not None and torch.equal(batch.kv_indptr_host, batch.kv_indptr.cpu())
+        orig(batch, graph)
+        ws = be._gpu.current
+        seen.append({"bs": batch.batch_size, "npad": batch.num_pad, "graph": graph, "key": be.graph_key(),
+                     "choices": tuple(c.choice for c in be._plan.classes), "full_cover": getattr(ws, "full_cover", None),
+                     "multilevel": ws.multilevel, "set_graph": ws.graph})
+    be.plan = plan
+    return seen
+
+
+@pytest.mark.parametrize("name", ["sglang_default", "hydragen", "granikv"])
+def test_eager_steps_share_one_wrapper_set(name):
+    """Steps above cuda_graph_max_bs run eagerly on the GPU: they must share ONE eager wrapper set, not get
+    a graph-mode set per batch size kept forever (regression: 8 MiB device + 8 MiB pinned each)."""
+    reqs = _wave(12)
+    eng = flashinfer_engine(name, True, chunk=4096, cuda_graph_max_bs=4)
+    seen = _trace_plans(eng)
+    res = eng.run(reqs)
+    check_tokens(res, reqs, reference(eng, reqs, "fi-wave12"))
+    sizes = eng.runner.sizes
+    above = [s for s in seen if s["bs"] > sizes[-1]]
+    assert above and all(s["graph"] is False and not s["set_graph"] for s in above)
+    assert all(s["graph"] is True and s["set_graph"] for s in seen if s["bs"] <= sizes[-1])
+    keys = set(eng.backend._gpu.sets)
+    assert None in keys
+    assert all(k is None or k[1] in sizes for k in keys), sorted(k[1] for k in keys if k is not None)
+    assert len(keys) <= len({s["key"] for s in seen if s["graph"]}) + 1
+
+
+def test_pad_rows_do_not_multiply_graph_keys():
+    """A single-class batch draining 24 -> 1 under cuda_graph_max_bs 32: pad rows join the class for every
+    class-splitting backend, so graph keys (one CUDA-graph capture each, inside timed steps) follow the
+    padded size as for sglang_cascade, not each real class size; padded steps keep the no-gather
+    full-cover path; decisions count real rows only."""
+    reqs = _wave(24)
+    n_keys, pad_keys = {}, {}
+    table = [{"lp_max": 50, "choice": "paged"}, {"meff_min": 14 * 4, "choice": "dense"}, {"choice": "cascade"}]
+    for name in ["sglang_cascade", "hydragen", "granikv", "granikv_dense_only"]:
+        eng = flashinfer_engine(name, True, table=table, chunk=4096, cuda_graph_max_bs=32)
+        seen = _trace_plans(eng)
+        res = eng.run(reqs)
+        check_tokens(res, reqs, reference(eng, reqs, "fi-wave24"))
+        padded = [s for s in seen if s["npad"]]
+        assert padded and all(s["graph"] for s in seen)
+        n_keys[name] = len({(s["bs"], s["key"][3]) for s in seen})          # ignoring the rest-capacity bucket
+        pad_keys[name] = len({(s["bs"], s["choices"]) for s in seen})
+        for s in padded:
+            assert len(s["choices"]) == 1 and s["key"][3][0][1] == s["bs"], s     # the class covers the padded batch
+            if not s["multilevel"]:
+                assert s["full_cover"], s
+        if name == "granikv":   # dense iff B_class * group >= 56: real rows decide (13 real rows padded to 16: cascade)
+            assert eng.runner.backend.group == 4
+            assert any(s["bs"] - s["npad"] < 14 <= s["bs"] for s in seen)
+            for s in seen:
+                real = s["bs"] - s["npad"]
+                assert s["choices"] == (("dense",) if real >= 14 else ("cascade",)), s
+    for name in n_keys:
+        assert n_keys[name] == pad_keys[name], (name, n_keys, pad_keys)
+    assert n_keys["hydragen"] == n_keys["granikv_dense_only"] == n_keys["sglang_cascade"], n_keys

@@ -23,7 +23,8 @@ KV (tensor cores per SGLang's rule), and the prefix states are merged in. The ba
 Device paths: ``device.type == 'cpu'`` -> torch reference math (granikv.attention.reference);
 ``cuda`` -> FlashInfer (granikv.attention.flashinfer_ops). CUDA graphs: with ``cuda_graph=True``
 plan() writes into persistent buffers owned by a wrapper set per ``graph_key()``; run() is then
-capturable and replayable for every later step with the same key (see graph_key()).
+capturable and replayable for every later step with the same key (see graph_key()); a step
+planned with ``graph=False`` (run eagerly by the caller) uses the one eager wrapper set instead.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ class ClassPlan:
     hot_start: int                        # first HOT row of the prefix, -1 if not one HOT run
     choice: str = "paged"
     meff: int = 0                         # B_class * Hq/Hkv (query rows per kv head)
+    n_real: int = 0                       # rows that are requests (not CUDA-graph pad rows): decisions use it
     rows_t: Optional[torch.Tensor] = None   # int64 [B_class] on the device
     slots: Optional[torch.Tensor] = None    # int64 [Lp] prefix slot ids on the device (view of kv_indices)
 
@@ -126,18 +128,34 @@ class PrefixAttentionBackend:
         raise NotImplementedError
 
     # ---- plan -----------------------------------------------------------------------------
-    def plan(self, batch: DecodeBatch) -> None:
-        """Group classes, choose a path per class, build the rest-of-request slot lists, plan kernels."""
+    def plan(self, batch: DecodeBatch, graph: Optional[bool] = None) -> None:
+        """Group classes, choose a path per class, build the rest-of-request slot lists, plan kernels.
+
+        ``graph`` (FlashInfer path only): False = the caller runs this step eagerly (no CUDA graph),
+        so one shared eager wrapper set is used even when ``cuda_graph=True``; None = ``cuda_graph``.
+        Pad rows (the last ``batch.num_pad``) do not count in path decisions; in a class that goes
+        ``paged`` they skip the prefix (1-token rows, as SGLang pads), their outputs being unused.
+        """
         b = batch.batch_size
         if batch.kv_indptr.numel() != b + 1:
             raise ValueError(f"{self.name}.plan: kv_indptr has {batch.kv_indptr.numel()} entries for {b} requests")
         if not (len(batch.prefix_ids) == len(batch.hot_starts) == b):
             raise ValueError(f"{self.name}.plan: prefix_lens/prefix_ids/hot_starts must all have {b} entries")
+        if not 0 <= batch.num_pad <= b:
+            raise ValueError(f"{self.name}.plan: num_pad={batch.num_pad} must be in [0, batch size {b}]")
+        if batch.kv_indptr_host is not None:
+            if batch.kv_indptr_host.device.type != "cpu" or batch.kv_indptr_host.numel() != b + 1:
+                raise ValueError(f"{self.name}.plan: kv_indptr_host must be a host tensor of {b + 1} entries "
+                                 "(a copy of kv_indptr), or None")
+            indptr_h = batch.kv_indptr_host.to(torch.int64)           # [B+1] host, no device sync
+        else:
+            indptr_h = batch.kv_indptr.to("cpu", torch.int64)         # [B+1] (a device->host copy: a sync on GPU)
+        real = b - batch.num_pad                                      # rows >= real are padding
         classes = group_classes(batch)
         for c in classes:
             c.meff = len(c.rows) * self.group
+            c.n_real = sum(1 for r in c.rows if r < real)
         self._choose(classes, b)
-        indptr_h = batch.kv_indptr.to("cpu", torch.int64)          # [B+1] (one small host copy per step)
         skip = torch.zeros(b, dtype=torch.int64)
         dev = batch.kv_indptr.device
         for c in classes:
@@ -145,6 +163,8 @@ class PrefixAttentionBackend:
                 raise ValueError(f"{self.name}: unknown prefix path '{c.choice}' for prefix_id={c.prefix_id}")
             if c.choice == "dense" and c.hot_start < 0:
                 raise ValueError(f"{self.name}: prefix_id={c.prefix_id} chose dense but has no HOT run (hot_start=-1)")
+            if c.choice == "paged" and c.n_real < len(c.rows):
+                skip[c.rows[c.n_real:]] = c.prefix_len                 # pad rows (last in the class): 1-token rows
             if c.choice != "paged":
                 skip[c.rows] = c.prefix_len
                 c.rows_t = torch.tensor(c.rows, dtype=torch.int64, device=dev)
@@ -174,7 +194,7 @@ class PrefixAttentionBackend:
             self.last_decisions.append({"prefix_id": -1, "batch": nopfx, "meff": nopfx * self.group,
                                         "prefix_len": 0, "hot": False, "backend": "paged"})
         if self._gpu is not None:
-            self._gpu.plan(self._plan)
+            self._gpu.plan(self._plan, graph)
 
     def graph_key(self) -> tuple:
         """Hashable of what a captured CUDA graph of run() depends on (valid after plan()).
@@ -284,7 +304,8 @@ class GranikvBackend(PrefixAttentionBackend):
 
     def _choose(self, classes, batch_size):
         for c in classes:
-            choice = self.dispatcher.choose(c.prefix_len, len(c.rows))
+            # real rows only: CUDA-graph pad rows in the class must not change the decision
+            choice = self.dispatcher.choose(c.prefix_len, c.n_real) if c.n_real else "paged"
             c.choice = "cascade" if (choice == "dense" and c.hot_start < 0) else choice
 
 

@@ -6,7 +6,7 @@ then run once per layer on that layer's K/V buffers (FlashInfer's plan/run split
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
 
@@ -22,6 +22,9 @@ class DecodeBatch:
     prefix_ids  list[int] [B]  class key: equal id <=> identical prefix slots; -1 = no prefix
     hot_starts  list[int] [B]  first global row of the prefix when it is one contiguous HOT
                              run (slots hot_start .. hot_start+prefix_len-1), else -1
+    kv_indptr_host  optional int64 [B+1] host copy of kv_indptr (saves plan() a device->host sync)
+    num_pad     the last ``num_pad`` rows are CUDA-graph padding, not requests: path decisions
+                count only the other rows (pad rows may sit in a prefix class; outputs unused)
     All index tensors live on the KV buffers' device; the lists are host-side.
     """
 
@@ -30,6 +33,8 @@ class DecodeBatch:
     prefix_lens: list[int]
     prefix_ids: list[int]
     hot_starts: list[int]
+    kv_indptr_host: Optional[torch.Tensor] = None
+    num_pad: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -41,11 +46,13 @@ class PrefixBackend(Protocol):
 
     run(q [B, Hq, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D]) -> o [B, Hq, D]
     ``last_decisions`` describes what the last plan chose (per class), for the step trace.
+    ``graph`` (FlashInfer path): False = this step runs eagerly, not from a CUDA graph, even on a
+    backend built with ``cuda_graph=True``; None = the backend's ``cuda_graph`` setting.
     """
 
     name: str
     last_decisions: list[dict]
 
-    def plan(self, batch: DecodeBatch) -> None: ...
+    def plan(self, batch: DecodeBatch, graph: Optional[bool] = None) -> None: ...
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor: ...

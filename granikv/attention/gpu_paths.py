@@ -1,10 +1,11 @@
 """The FlashInfer (GPU) execution of a StepPlan: wrapper sets, persistent buffers, CUDA-graph mode.
 
 One ``WrapperSet`` holds the FlashInfer wrappers and the index buffers of one step structure.
-Eager mode (``cuda_graph=False``) uses a single set re-planned every step. Graph mode keeps one
-set per ``backend.graph_key()``: a graph-mode FlashInfer wrapper cannot change its batch size,
-and a captured graph bakes in buffer addresses, so everything run() reads lives in buffers that
-plan() overwrites in place. Per layer, run() issues:
+Eager mode (``cuda_graph=False``, or a step planned with ``graph=False``: one the runner will not
+replay from a graph, e.g. above ``cuda_graph_max_bs``) uses a single set (key None) re-planned
+every step. Graph mode keeps one set per ``backend.graph_key()``: a graph-mode FlashInfer wrapper
+cannot change its batch size, and a captured graph bakes in buffer addresses, so everything run()
+reads lives in buffers that plan() overwrites in place. Per layer, run() issues:
 
   rest decode (1 launch set) -> per split class: dense single prefill on the HOT slab view /
   hydragen gather + single prefill / ONE paged batch prefill for all per-class-cascade classes
@@ -168,14 +169,18 @@ class GpuPaths:
         self.sets: dict = {}
         self.current: Optional[WrapperSet] = None
 
-    def plan(self, p) -> None:
+    def plan(self, p, graph: Optional[bool] = None) -> None:
+        """Plan step ``p`` on its wrapper set. ``graph``: whether the caller may replay a CUDA graph of
+        this step (None = ``be.cuda_graph``). Eager steps share ONE set (key None), rebuilt when too
+        small: a graph-mode set per batch size the runner never captures would pin memory forever."""
         be = self.be
-        key = be.graph_key() if be.cuda_graph else None
+        graph = be.cuda_graph if graph is None else (bool(graph) and be.cuda_graph)
+        key = be.graph_key() if graph else None
         ws = self.sets.get(key)
-        if ws is None or (not be.cuda_graph and not self._fits(ws, p)):
+        if ws is None or (not graph and not self._fits(ws, p)):
             from granikv.attention.backends import _pow2
 
-            ws = WrapperSet(be, be.cuda_graph, p.batch_size, _pow2(p.rest_indices.numel()), p.classes)
+            ws = WrapperSet(be, graph, p.batch_size, _pow2(p.rest_indices.numel()), p.classes)
             self.sets[key] = ws
         ws.plan(p)
         self.current = ws

@@ -9,9 +9,13 @@ Decode: one token per running request. The slot table ``rows x max_len`` (SGLang
 req_to_token) lives on the device; each step's ``kv_indices`` is gathered from it with no host
 sync, the backend is planned once (outside any graph), then the model runs per layer. Batches
 up to ``cuda_graph_max_bs`` are padded to the next captured size (pad rows are 1-token rows on one
-scratch slot, as in SGLang; for the batch-global cascade, whose level 0 needs a prefix common to
-every row, pad rows join the batch's single prefix class when there is one) and replayed from a CUDA graph captured lazily per (padded size, backend.graph_key());
-larger batches, CPU runs and backends that declare ``graph_safe = False`` run eagerly.
+scratch slot, as in SGLang; for every backend that splits prefix classes off (all but ``paged``),
+pad rows join the batch's single prefix class when there is one: the batch-global cascade needs a
+prefix common to every row, and a class covering the whole padded batch keeps graph_key() a
+function of the padded size and the other backends on their no-gather full-cover path; the
+backends decide on real rows only, ``DecodeBatch.num_pad``) and replayed from a CUDA graph
+captured lazily per (padded size, backend.graph_key()); larger batches, CPU runs and backends that
+declare ``graph_safe = False`` run eagerly (planned with ``graph=False``: one eager wrapper set).
 """
 from __future__ import annotations
 
@@ -83,7 +87,7 @@ class ModelRunner:
         self.sizes = graph_sizes(cuda_graph_max_bs) if self.pad else []
         self.pad_row = max_rows           # table row of a 1-token pad request: [pad slot]
         self.pad_class_row = max_rows + 1  # pad rows inside the batch's one prefix class: [prefix slots, pad slot]
-        self.pad_into_class = getattr(backend, "name", "") == "cascade"
+        self.pad_into_class = getattr(backend, "name", "paged") in ("cascade", "dense", "hydragen", "granikv")
         self._pad_class = None            # Seq.order of the request whose prefix pad_class_row holds
         self.table = torch.zeros(max_rows + 2, max_len, dtype=torch.int64, device=self.device)  # [rows+2, max_len]
         self.graphs: dict[tuple, tuple] = {}   # (padded bs, graph key) -> (graph, logits)
@@ -127,8 +131,10 @@ class ModelRunner:
                 w[:c.seq.cached_len - c.start] = self.storage.pad_slot
             new_slots.append(w)
             kv_idx.append(c.seq.slots[:c.end])
-        self.prefill_attn.plan(torch.tensor(qo, dtype=torch.int32, device=dev),
-                               torch.tensor(kvp, dtype=torch.int32, device=dev), torch.cat(kv_idx))
+        # indptrs stay on the host: FlashInfer's plan() reads them there (no device->host sync) and
+        # copies them to its device buffers itself; the slot ids are on the device already
+        self.prefill_attn.plan(torch.tensor(qo, dtype=torch.int32), torch.tensor(kvp, dtype=torch.int32),
+                               torch.cat(kv_idx))
         hook = _WriteThen(self.kv, torch.cat(new_slots), self.prefill_attn)
         h = self.model(torch.tensor(ids, dtype=torch.int64, device=dev), torch.cat(pos).to(dev), hook)
         last = [i for i, c in enumerate(chunks) if c.end == c.seq.prompt_len]
@@ -150,8 +156,8 @@ class ModelRunner:
         lp, pid, hs = [s.req.shared_len for s in seqs], [s.prefix_id for s in seqs], [s.hot_start for s in seqs]
         s0 = seqs[0]
         if npad and self.pad_into_class and s0.prefix_id >= 0 and all(p == s0.prefix_id for p in pid):
-            # The batch-global cascade needs a prefix common to ALL rows: pad rows join the one class
-            # (they read the prefix once more in level 0, and write only the scratch slot).
+            # Pad rows join the one class (see the module doc): they read the prefix once more on the
+            # class's path (skipped when it goes paged), and write only the scratch slot.
             if self._pad_class != s0.order:
                 self.table[self.pad_class_row, :s0.req.shared_len] = s0.slots[:s0.req.shared_len]
                 self.table[self.pad_class_row, s0.req.shared_len] = self.storage.pad_slot
@@ -172,7 +178,8 @@ class ModelRunner:
         r = torch.repeat_interleave(rows_d, lens_d, output_size=nnz)
         col = torch.arange(nnz, device=dev) - torch.repeat_interleave(indptr_d[:-1], lens_d, output_size=nnz)
         batch = DecodeBatch(kv_indptr=indptr_d, kv_indices=self.table[r, col],
-                            prefix_lens=lp, prefix_ids=pid, hot_starts=hs)
+                            prefix_lens=lp, prefix_ids=pid, hot_starts=hs,
+                            kv_indptr_host=torch.tensor(indptr, dtype=torch.int64), num_pad=npad)
         return batch, ids_d, pos_d, rows_d
 
     @torch.inference_mode()
@@ -184,14 +191,17 @@ class ModelRunner:
         batch, ids, pos, rows = self._decode_batch(seqs, bs)
         pad_class = batch.prefix_ids[-1] if bs > n else -1
         slots = self.table[rows, pos]                        # [bs] where this step's K/V go
-        self.backend.plan(batch)
         info = {"padded_bs": bs, "graph": False, "pad_class": pad_class}
-        reason = None
-        if self.use_graphs:
-            if n > self.sizes[-1]:
-                reason = "above_cuda_graph_max_bs"
-            elif not getattr(self.backend, "graph_safe", False):
-                reason = f"backend_{getattr(self.backend, 'name', '?')}_not_graph_safe"
+        reason = None                                        # why a graph-shaped step runs eagerly
+        if self.sizes and n > self.sizes[-1]:
+            reason = "above_cuda_graph_max_bs"
+        elif not getattr(self.backend, "graph_safe", False):
+            reason = f"backend_{getattr(self.backend, 'name', '?')}_not_graph_safe"
+        # graph=False: no graph of this step will be replayed -> the backend's one eager wrapper set
+        # (a padded CPU run plans exactly as the GPU run would: graph=True where it would replay)
+        self.backend.plan(batch, graph=bool(self.pad and self.sizes) and reason is None)
+        if not self.use_graphs:
+            reason = None
         if self.use_graphs and reason is None:
             logits = self._replay(bs, ids, pos, slots)
             info["graph"] = True
