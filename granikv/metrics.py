@@ -61,9 +61,14 @@ def dispatch_counts(steps: Iterable[dict]) -> dict[str, int]:
     return dict(sorted(c.items()))
 
 
-def summarize(records: list[RequestRecord], steps: Iterable[dict] = ()) -> dict:
-    """The metrics.json summary of a cell (key names: granikv.rawio.SERVING_METRICS)."""
+def summarize(records: list[RequestRecord], steps: Iterable[dict] = (), stats: Optional[dict] = None) -> dict:
+    """The metrics.json summary of a cell (key names: granikv.rawio.SERVING_METRICS).
+
+    ``stats``: the engine's run stats; the engine serves warm-up requests in a pass of their own and
+    returns no record of them, so ``num_warmup_requests`` comes from ``stats["warmup"]["requests"]``
+    when given (plus any records flagged ``warmup``)."""
     recs = [r for r in records if not r.warmup]
+    n_warm = len(records) - len(recs) + int(((stats or {}).get("warmup") or {}).get("requests", 0))
     per = [per_request(r) for r in recs]
     n_in = sum(r.prompt_len for r in recs)
     n_out = sum(len(r.token_times_s) for r in recs)
@@ -72,7 +77,7 @@ def summarize(records: list[RequestRecord], steps: Iterable[dict] = ()) -> dict:
     itl = [b - a for r in recs for a, b in zip(r.token_times_s, r.token_times_s[1:])]
     out = {
         "num_requests": len(recs),
-        "num_warmup_requests": len(records) - len(recs),
+        "num_warmup_requests": n_warm,
         "num_input_tokens": n_in,
         "num_output_tokens": n_out,
         "duration_s": duration,

@@ -27,64 +27,42 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
+from granikv import metrics as metrics_mod
 from granikv import rawio
 from granikv.config import HardwareConfig, ModelConfig, RunConfig, WorkloadConfig
 from granikv.engine.engine import Engine
 from granikv.engine.runner import LogitProbe
 from granikv.engine.systems import system_config
 from granikv.request import Request
+from runners.run import _engine_stats
+from runners.run import init_tp as init_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILTIN_MODELS = {  # used only when conf/model/<name>.yaml is absent (same values as those files)
-    "llama3_8b": dict(name="llama3_8b", arch="llama", hidden_size=4096, num_layers=32, num_heads=32,
-                      num_kv_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
-                      max_position_embeddings=131072, rope_theta=500000.0,
-                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                      rms_norm_eps=1e-5),
-    "qwen25_14b": dict(name="qwen25_14b", arch="qwen2", hidden_size=5120, num_layers=48, num_heads=40,
-                       num_kv_heads=8, head_dim=128, intermediate_size=13824, vocab_size=152064,
-                       max_position_embeddings=32768, rope_theta=1e6, qkv_bias=True, rms_norm_eps=1e-5),
-    "qwen25_32b": dict(name="qwen25_32b", arch="qwen2", hidden_size=5120, num_layers=64, num_heads=40,
-                       num_kv_heads=8, head_dim=128, intermediate_size=27648, vocab_size=152064,
-                       max_position_embeddings=32768, rope_theta=1e6, qkv_bias=True, rms_norm_eps=1e-5),
-    "tiny": dict(name="tiny"),
-}
-BUILTIN_HW = {
-    "h200": dict(name="h200", device="cuda", dtype="bfloat16", gpu_name="NVIDIA H200", mem_fraction=0.88),
-    "cpu": dict(name="cpu", device="cpu", dtype="float32", cuda_graph_max_bs=0),
-}
 
 
-def _yaml(group: str, name: str) -> dict | None:
+def _conf(group: str, name: str, cls):
+    """``conf/<group>/<name>.yaml`` (the files runners.run composes) as ``cls``; unknown names fail here."""
     path = ROOT / "conf" / group / f"{name}.yaml"
     if not path.exists():
-        return None
-    import yaml
-
-    d = yaml.safe_load(path.read_text()) or {}
+        have = sorted(p.stem for p in path.parent.glob("*.yaml") if not p.stem.endswith("_schema"))
+        raise ValueError(f"--{group}: unknown {group} '{name}' (no conf/{group}/{name}.yaml; have {have})")
+    d = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     d.pop("defaults", None)
-    return d
-
-
-def _fields(cls, d: dict) -> dict:
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in d.items() if k in names}
+    try:
+        return cls(**d)
+    except TypeError as e:
+        raise ValueError(f"conf/{group}/{name}.yaml: {e}") from e
 
 
 def load_model(name: str) -> ModelConfig:
-    d = _yaml("model", name) or BUILTIN_MODELS.get(name)
-    if d is None:
-        raise ValueError(f"--model: unknown model '{name}' (no conf/model/{name}.yaml; built in: {sorted(BUILTIN_MODELS)})")
-    return ModelConfig(**_fields(ModelConfig, d))
+    return _conf("model", name, ModelConfig)
 
 
 def load_hardware(name: str, overrides: dict) -> HardwareConfig:
-    d = _yaml("hardware", name) or BUILTIN_HW.get(name)
-    if d is None:
-        raise ValueError(f"--hardware: unknown hardware '{name}' (no conf/hardware/{name}.yaml; built in: {sorted(BUILTIN_HW)})")
-    return HardwareConfig(**{**_fields(HardwareConfig, d), **{k: v for k, v in overrides.items() if v is not None}})
+    hw = _conf("hardware", name, HardwareConfig)
+    return dataclasses.replace(hw, **{k: v for k, v in overrides.items() if v is not None})
 
 
 def burst(seed: int, vocab: int, prefix_len: int, batch: int, suffix_len: int, output_len: int) -> list[Request]:
@@ -95,33 +73,13 @@ def burst(seed: int, vocab: int, prefix_len: int, batch: int, suffix_len: int, o
                     shared_len=prefix_len, prefix_class=0 if prefix_len else -1) for i in range(batch)]
 
 
-def _pct(xs: list[float], name: str) -> dict:
-    if not xs:
-        return {f"{name}_{s}_ms": None for s in ("mean", "p50", "p90", "p99")}
-    a = np.asarray(xs) * 1e3
-    return {f"{name}_mean_ms": float(a.mean()), f"{name}_p50_ms": float(np.percentile(a, 50)),
-            f"{name}_p90_ms": float(np.percentile(a, 90)), f"{name}_p99_ms": float(np.percentile(a, 99))}
-
-
-def serving_metrics(records, steps, stats) -> dict:
-    """DESIGN.md's definitions (vLLM / SGLang serving benchmarks), from per-token wall times."""
-    ttft = [r.token_times_s[0] - r.arrival_s for r in records]
-    tpot = [(r.token_times_s[-1] - r.token_times_s[0]) / (len(r.output_ids) - 1) for r in records if len(r.output_ids) > 1]
-    itl = [b - a for r in records for a, b in zip(r.token_times_s, r.token_times_s[1:])]
-    e2e = [r.token_times_s[-1] - r.arrival_s for r in records]
-    n_out = sum(len(r.output_ids) for r in records)
-    n_in = sum(r.prompt_len for r in records)
-    span = max(r.token_times_s[-1] for r in records) - min(r.arrival_s for r in records)
-    dec = [s["step_time_s"] for s in steps if s["kind"] == "decode"]
-    return {"num_requests": len(records), "num_input_tokens": n_in, "num_output_tokens": n_out, "duration_s": span,
-            "output_throughput_tok_s": n_out / span, "total_throughput_tok_s": (n_in + n_out) / span,
-            "request_throughput_req_s": len(records) / span,
-            **_pct(ttft, "ttft"), **_pct(tpot, "tpot"), **_pct(itl, "itl"), **_pct(e2e, "e2e"),
-            "decode_step_p50_ms": float(np.median(dec) * 1e3) if dec else None,
-            "dispatch_counts": stats["dispatch_counts"],
-            **{k: stats[k] for k in ("kv_budget_tokens", "hot_capacity_tokens", "cold_capacity_tokens",
-                                     "hot_peak_tokens", "cold_peak_tokens", "evicted_tokens", "admissions",
-                                     "cuda_graph_sizes_captured", "cuda_graphs_captured", "eager_decode_reasons")}}
+def serving_metrics(res) -> dict:
+    """metrics.json of a cell, as runners.run writes it: engine stats, then granikv.metrics.summarize
+    (DESIGN.md's definitions), plus the median decode step time."""
+    m = {**_engine_stats(res.stats), **metrics_mod.summarize(res.records, res.steps, res.stats)}
+    dec = [s["step_time_s"] for s in res.steps if s["kind"] == "decode"]
+    m["decode_step_p50_ms"] = float(np.median(dec) * 1e3) if dec else None
+    return m
 
 
 def _busy(kern: list[tuple[float, float]], a: float, b: float) -> tuple[float, int]:
@@ -205,20 +163,24 @@ def say(msg: str) -> None:
         print(msg, flush=True)
 
 
-def init_tp(hw: HardwareConfig) -> int:
-    """Under torchrun (WORLD_SIZE > 1): one process group (nccl on GPU, gloo on CPU); returns the TP size."""
+def init_tp(model: ModelConfig, hw: HardwareConfig) -> int:
+    """TP size = the torchrun world size (1 without torchrun); joins the process group through
+    runners.run.init_tp (nccl on GPU, gloo on CPU)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        import torch.distributed as dist
-
-        if hw.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if hw.device == "cuda" else "gloo")
+    init_process_group(RunConfig(model=model, system=system_config("sglang_default"), hardware=hw, tp=world))
     return world
 
 
-def bench_system(name: str, args, model: ModelConfig, hw: HardwareConfig, out: Path) -> dict:
+def clear_cell(cell: Path) -> None:
+    """Before a cell runs (rank 0): drop the done / failed markers of an earlier run, so a failure
+    never leaves an old metrics.json (read as done) and a success never an old failure.json."""
+    if _rank() == 0:
+        for stale in ("metrics.json", "failure.json"):
+            (cell / stale).unlink(missing_ok=True)
+
+
+def bench_system(name: str, args, model: ModelConfig, hw: HardwareConfig, out: Path, prov: dict) -> dict:
+    """Warm-up, measured and profiled passes of one system; ``prov``: provenance taken before the run."""
     # the workload this bench serves (burst(): one shared prefix, B requests), recorded in config.json
     wl = WorkloadConfig(kind="synthetic", arrival="burst", prefix_len=args.prefix_len, batch=args.batch,
                         suffix_len=args.suffix_len, output_len=args.output_len)
@@ -235,7 +197,7 @@ def bench_system(name: str, args, model: ModelConfig, hw: HardwareConfig, out: P
     engine.runner.logit_probe, probe = None, engine.runner.logit_probe
     say(f"[{name}] warm-up pass {time.perf_counter() - t:.1f}s")
     res = engine.run(reqs)
-    metrics = serving_metrics(res.records, res.steps, res.stats)
+    metrics = serving_metrics(res)
     metrics["build_s"] = build_s
     say(f"[{name}] TPOT p50 {metrics['tpot_p50_ms']:.2f} ms, output {metrics['output_throughput_tok_s']:.0f} tok/s, "
           f"dispatch {metrics['dispatch_counts']}, graphs {metrics['cuda_graph_sizes_captured']}")
@@ -253,7 +215,7 @@ def bench_system(name: str, args, model: ModelConfig, hw: HardwareConfig, out: P
     metrics["profile"] = prof
     kept = {"records": res.records, "logits": probe.kept, "warm_records": warm.records}
     if _rank() == 0:
-        write_cell(out / name, cfg, args, res, metrics)
+        write_cell(out / name, cfg, args, res, metrics, prov)
     del engine, warm, res
     gc.collect()
     if torch.cuda.is_available():
@@ -261,8 +223,9 @@ def bench_system(name: str, args, model: ModelConfig, hw: HardwareConfig, out: P
     return {"metrics": metrics, **kept}
 
 
-def write_cell(cell: Path, cfg: RunConfig, args, res, metrics: dict) -> None:
-    conf = {"config": dataclasses.asdict(cfg), "bench": vars(args), "provenance": rawio.provenance()}
+def write_cell(cell: Path, cfg: RunConfig, args, res, metrics: dict, prov: dict) -> None:
+    """The cell's files, metrics.json last (its presence marks the cell done)."""
+    conf = {"config": dataclasses.asdict(cfg), "bench": vars(args), "provenance": prov}
     rawio.write_json(cell / "config.json", conf)
     rawio.write_jsonl(cell / "requests.jsonl", [
         {"rid": r.rid, "arrival_s": r.arrival_s, "prompt_len": r.prompt_len, "output_len": len(r.output_ids),
@@ -293,7 +256,7 @@ def main(argv=None) -> Path:
     model = load_model(args.model)
     hw = load_hardware(args.hardware, {"kv_budget_tokens": args.kv_budget_tokens,
                                        "cuda_graph_max_bs": args.cuda_graph_max_bs})
-    args.tp = init_tp(hw)
+    args.tp = init_tp(model, hw)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for s in systems:
         system_config(s)  # unknown names fail before any work
@@ -303,9 +266,12 @@ def main(argv=None) -> Path:
     if hw.device == "cuda" and not hw.decision_table:
         say("NOTE: hardware has no decision_table: granikv dispatches by the paper's rule (Meff >= 1024 -> dense)")
     got, failed = {}, {}
+    run_prov = rawio.provenance()  # started_at = the start of the bench, not its end
     for s in systems:
+        clear_cell(out / s)
+        prov = rawio.provenance()  # this cell's start
         try:
-            got[s] = bench_system(s, args, model, hw, out)
+            got[s] = bench_system(s, args, model, hw, out, prov)
         except Exception as e:  # noqa: BLE001 - one system's failure must not lose the others
             import traceback
 
@@ -313,12 +279,12 @@ def main(argv=None) -> Path:
             print(f"[{s}] rank {_rank()} FAILED: {failed[s]}", flush=True)
             if _rank() == 0:
                 rawio.write_json(out / s / "failure.json", {"error": failed[s], "traceback": traceback.format_exc(),
-                                                           "bench": vars(args), "provenance": rawio.provenance()})
+                                                           "bench": vars(args), "provenance": prov})
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     base = got.get("sglang_default")
-    summary = {"provenance": rawio.provenance(), "bench": vars(args), "failed": failed,
+    summary = {"provenance": run_prov, "bench": vars(args), "failed": failed,
                "decision_table": bool(hw.decision_table), "systems": {}}
     for s, g in got.items():
         m = g["metrics"]

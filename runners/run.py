@@ -374,7 +374,7 @@ def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], e
         return
     rawio.write_jsonl(cell / "requests.jsonl", _request_rows(requests, result.records))
     rawio.write_jsonl(cell / "steps.jsonl", result.steps)
-    m = metrics_mod.summarize(result.records, result.steps)
+    m = metrics_mod.summarize(result.records, result.steps, result.stats)
     telemetry = {**nvml.summary(), **prof.summary(),
                  "nsys_note": ("captured (profile.nsys-rep)" if os.environ.get(ENV_GUARD)
                                else "nsys not on PATH; not captured" if rc.nsys and not nsys_path() else None)}

@@ -201,14 +201,19 @@ def test_no_requests():
 
 
 def test_warmup_is_excluded():
-    reqs = workload(7, n=4, k=1)
+    """Warm-up fills the prefix cache; the measured pass starts from an empty one (no hit on its first request)."""
+    reqs = workload(7, n=4, k=1, no_prefix=0)  # every request shares one prefix
     cfg = make_cfg("granikv")
     cfg.warmup_requests = 2
     eng = Engine(cfg)
     res = eng.run(reqs)
     check_tokens(res, reqs, reference(eng, reqs, "warm"))
     assert res.stats["warmup"]["requests"] == 2
-    assert res.records[0].prefix_where in ("hot", "cold", "none")  # cache was reset after warm-up
+    first = res.records[0]
+    assert first.prefix_class == 0 and first.prefix_where in ("hot", "cold")  # cache was reset after warm-up
+    assert first.cached_len == 0
+    assert [r.prefix_where for r in res.records[1:]] == ["hit"] * 3  # the measured pass does reuse its own prefix
+    assert res.stats["admissions"]["hit"] == 3
 
 
 # ---------------------------------------------------------------------- bad input

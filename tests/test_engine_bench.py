@@ -26,6 +26,9 @@ def test_engine_bench_cpu(tmp_path):
         missing = [k for k in rawio.SERVING_METRICS if k not in m]
         assert not missing
         assert m["num_output_tokens"] == 36 and m["tpot_p50_ms"] > 0
+        # granikv.metrics.summarize's keys plus the engine's stats, as runners.run writes them
+        assert m["num_warmup_requests"] == 0 and m["kv_budget_tokens"] == 2048 and m["decode_step_p50_ms"] > 0
+        assert {"hot_peak_tokens", "admissions", "cuda_graph_sizes_captured", "build_s", "profile"} <= set(m)
         reqs = rawio.read_jsonl(cell / "requests.jsonl")
         assert [len(r["output_ids"]) for r in reqs] == [6] * 6
         conf = rawio.read_json(cell / "config.json")
@@ -112,3 +115,44 @@ def test_engine_bench_tp2_gloo(tmp_path):
         a = [r["output_ids"] for r in rawio.read_jsonl(one / name / "requests.jsonl")]
         b = [r["output_ids"] for r in rawio.read_jsonl(tmp_path / "tp2" / name / "requests.jsonl")]
         assert a == b
+
+
+def test_markers_cleared_and_provenance_taken_before_the_run(tmp_path, monkeypatch):
+    """A rerun never leaves an earlier run's metrics.json (a failed cell read as done) or failure.json
+    (a done cell read as failed); each cell's provenance is taken before its engine runs."""
+    out = tmp_path / "eb"
+    for name in ("sglang_default", "granikv"):
+        rawio.write_json(out / name / "metrics.json", {"stale": True})
+        rawio.write_json(out / name / "failure.json", {"stale": True})
+    events = []
+    real_prov = engine_bench.rawio.provenance
+
+    def prov():
+        events.append("prov")
+        return {**real_prov(), "started_at": f"event{len(events) - 1}"}
+
+    class Flaky(engine_bench.Engine):
+        def run(self, requests, on_step=None):
+            events.append(f"run:{self.cfg.system.name}")
+            if self.cfg.system.name == "granikv":
+                raise RuntimeError("injected failure")
+            return super().run(requests, on_step)
+
+    monkeypatch.setattr(engine_bench.rawio, "provenance", prov)
+    monkeypatch.setattr(engine_bench, "Engine", Flaky)
+    with pytest.raises(SystemExit):
+        engine_bench.main(["--model", "tiny", "--hardware", "cpu", "--kv-budget-tokens", "1024",
+                           "--systems", "sglang_default,granikv", "--prefix-len", "16", "--batch", "2",
+                           "--suffix-len", "3", "--output-len", "3", "--profile-output-len", "0", "--out", str(out)])
+    ok, bad = out / "sglang_default", out / "granikv"
+    assert rawio.cell_state(ok) == "done" and not (ok / "failure.json").exists()
+    assert "stale" not in rawio.read_json(ok / "metrics.json")
+    assert rawio.cell_state(bad) == "failed" and not (bad / "metrics.json").exists()
+    assert "injected failure" in rawio.read_json(bad / "failure.json")["error"]
+    for cell, name in ((ok, "sglang_default"), (bad, "granikv")):
+        path = cell / ("config.json" if cell is ok else "failure.json")
+        taken = int(rawio.read_json(path)["provenance"]["started_at"].removeprefix("event"))
+        assert taken < events.index(f"run:{name}"), (name, events)
+    summary = rawio.read_json(out / "summary.json")
+    assert int(summary["provenance"]["started_at"].removeprefix("event")) < events.index("run:sglang_default")
+    assert summary["failed"] == {"granikv": "RuntimeError: injected failure"}

@@ -64,6 +64,15 @@ def test_pooled_itl_tpot_per_request_and_warmup_excluded():
     assert m["output_throughput_tok_s"] == pytest.approx(5 / 3.0)
 
 
+def test_warmup_count_from_engine_stats():
+    """The engine returns no warm-up records; its stats say how many warm-up requests it served."""
+    recs = [rec(0, 0.0, [1.0, 2.0])]
+    assert summarize(recs)["num_warmup_requests"] == 0
+    m = summarize(recs, [], {"warmup": {"requests": 3, "steps": 5, "duration_s": 0.1}})
+    assert m["num_warmup_requests"] == 3 and m["num_requests"] == 1
+    assert summarize(recs, [], {"dispatch_counts": {}})["num_warmup_requests"] == 0
+
+
 def test_dispatch_counts_forms():
     steps = [{"decisions": [{"backend": "dense"}, {"backend": "cascade"}]}, {"decisions": []},
              {"backend": "dense"}, {"backends": {"0": "cascade"}}, {"kind": "prefill"}]

@@ -120,6 +120,14 @@ class IndexMachine(RuleBasedStateMachine):
         self.adm = Admission(self.idx)
         self.ref: dict[tuple, int] = {}  # token prefix -> slot of its last token
         self.held = []  # locked nodes
+        evict = self.idx.evict
+
+        def evict_and_forget(n):  # Admission evicts too: forget freed entries before their slots are reused
+            freed = evict(n)
+            self._drop_freed()
+            return freed
+
+        self.idx.evict = evict_and_forget
 
     def _record(self, tokens, slots, start):
         for i in range(start, len(tokens)):

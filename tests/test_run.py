@@ -198,6 +198,13 @@ def test_force_reruns(tmp_path):
     assert (cell / "metrics.json").stat().st_mtime_ns != t0
 
 
+def test_warmup_requests_are_counted(tmp_path):
+    """The engine serves warm-up requests in a pass of its own (no records); metrics.json still counts them."""
+    cfg = compose_cfg([*SMALL, f"results_dir={tmp_path}", "warmup_requests=2"])
+    m = check_serving_cell(run_cell(cfg, ["warmup_requests=2"]))
+    assert m["num_warmup_requests"] == 2 and m["warmup"]["requests"] == 2 and m["num_requests"] == 2
+
+
 # ---------------------------------------------------------------- telemetry
 def test_profiler_window_writes_trace(tmp_path):
     cfg = compose_cfg([*SMALL, f"results_dir={tmp_path}", "profile_steps=2", "workload.output_len=12"])

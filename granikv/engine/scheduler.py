@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from granikv.config import HardwareConfig
-from granikv.kv import Admission, ColdPool, HotPool, KVCache, Placement, PrefixIndex
+from granikv.kv import Admission, ColdPool, HotPool, KVCache, Node, Placement, PrefixIndex
 from granikv.request import Request
 
 
@@ -120,6 +120,18 @@ def check_fits(req: Request, storage: Storage) -> None:
             f"(kv_budget_tokens / mem_fraction) or shorten the workload")
 
 
+def _on_one_path(a: Node, b: Node) -> bool:
+    """True when ``a`` is ``b`` or an ancestor of it, or the other way round (the token paths of
+    the two agree up to the shallower one's end). Walks the few nodes up each path."""
+    for lo, hi in ((a, b), (b, a)):
+        n = lo
+        while n is not None:
+            if n is hi:
+                return True
+            n = n.parent
+    return False
+
+
 class Scheduler:
     """Admits arrived requests, picks each step's work, records tokens and frees finished requests."""
 
@@ -131,7 +143,6 @@ class Scheduler:
         self.active: list[Seq] = []          # admitted, not finished (prefilling or decoding)
         self.done: list[Seq] = []
         self.writers: list[Seq] = []         # admitted seqs still writing new prefix KV
-        self._class_ids: dict[int, list[tuple[tuple, int]]] = {}
         self.admitted_rows: list[Seq] = []   # seqs admitted in the last schedule() (runner fills rows)
 
     def add(self, seqs: list[Seq]) -> None:
@@ -145,15 +156,6 @@ class Scheduler:
         return self.pending[0].req.arrival_s if self.pending else None
 
     # ------------------------------------------------------------------ admission
-    def _prefix_id(self, tokens: tuple) -> int:
-        bucket = self._class_ids.setdefault(hash(tokens), [])
-        for key, cid in bucket:
-            if key == tokens:
-                return cid
-        cid = sum(len(b) for b in self._class_ids.values())
-        bucket.append((tokens, cid))
-        return cid
-
     def _make_room(self, n: int) -> bool:
         """Evict LRU unlocked prefixes until ``n`` COLD slots are free (evicting a HOT slab frees no
         COLD slot, so one ``evict`` call may not be enough); False if that is impossible now."""
@@ -168,7 +170,9 @@ class Scheduler:
         index, cold = st.index, st.kv.cold_pool
         prompt = req.prompt_ids
         own_n = len(prompt) - req.shared_len + req.output_len - 1
-        pin = index.match(prompt[:req.shared_len]).node if req.shared_len else None
+        # the one match of the shared prefix per admission attempt; Admission reuses it
+        m = index.match(prompt[:req.shared_len]) if req.shared_len else None
+        pin = m.node if m is not None else None
         if pin is not None:
             index.lock(pin)  # keep our cached prefix while making room for our own slots
         try:
@@ -179,11 +183,10 @@ class Scheduler:
                 own = cold.alloc(own_n)
             pl = None
             if req.shared_len:
-                pl = st.admission.admit(prompt, req.shared_len)
+                pl = st.admission.admit(prompt, req.shared_len, match=m)
                 if pl is None:  # make COLD room for the uncached part (the paged fallback) and retry once
-                    missing = req.shared_len - index.match(prompt[:req.shared_len]).length
-                    if self._make_room(missing):
-                        pl = st.admission.admit(prompt, req.shared_len)
+                    if self._make_room(req.shared_len - m.length):
+                        pl = st.admission.admit(prompt, req.shared_len, match=m)
                 if pl is None:
                     if own_n:
                         cold.free(own)
@@ -197,13 +200,13 @@ class Scheduler:
             s.cached_len = s.computed = pl.new_from
             if s.computed == len(prompt):  # full hit: recompute the last token for its logits (as SGLang);
                 s.computed -= 1            # its K/V goes to the scratch slot, never over the shared prefix
-            key = tuple(prompt[:req.shared_len])
-            s.prefix_id = self._prefix_id(key)
-            runs = index.match(key).hot_runs
+            s.prefix_id = pl.node.uid  # equal id <=> same locked index node <=> identical prefix slots
+            runs = pl.hot_runs
             if len(runs) == 1 and runs[0][0] == 0 and runs[0][2] == req.shared_len:
                 s.hot_start = runs[0][1]
+            # writers of KV we read: their prefix path and our cached path overlap (m.node ends at cached_len)
             s.waits_on = [w for w in self.writers if w.placement.new_from < s.cached_len
-                          and w.req.prompt_ids[:s.cached_len] == prompt[:s.cached_len]]
+                          and _on_one_path(m.node, w.placement.node)]
             if pl.new_from < req.shared_len:
                 self.writers.append(s)
         else:

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from granikv.kv.prefix_index import Node, PrefixIndex
+from granikv.kv.prefix_index import Node, PrefixIndex, PrefixMatch
 from granikv.kv.hot_pool import Slab
 
 
@@ -19,7 +19,9 @@ class Placement:
     ids, the paged fallback). ``slots`` ``[shared_len]`` are the prefix's global slot ids;
     ``new_from`` is the first token position whose KV the caller must compute (``shared_len``
     on a full hit); ``node`` is the index node of the prefix's last token, already locked
-    once for this request (unlock it when the request finishes).
+    once for this request (unlock it when the request finishes); ``node.uid`` identifies the
+    prefix's slots while it is locked. ``hot_runs`` lists the ``(token_pos, slot_start, length)``
+    contiguous HOT runs of the whole prefix, in token order (as :class:`PrefixMatch`).
     """
 
     where: str
@@ -28,6 +30,7 @@ class Placement:
     new_from: int
     node: Node
     slab: Slab | None = None
+    hot_runs: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -45,14 +48,16 @@ class Admission:
     log: list[tuple[int, str, int]] = field(default_factory=list)  # (shared_len, where, slot_start)
     counts: Counter = field(default_factory=Counter)
 
-    def admit(self, tokens: Sequence[int], shared_len: int) -> Placement | None:
+    def admit(self, tokens: Sequence[int], shared_len: int, match: PrefixMatch | None = None) -> Placement | None:
+        """Place ``tokens[:shared_len]``. ``match``: the caller's ``index.match`` of exactly that
+        prefix, its node locked by the caller since (saves matching the prefix again)."""
         if shared_len <= 0 or shared_len > len(tokens):
             raise ValueError(f"Admission.admit: shared_len must be in [1, len(tokens)={len(tokens)}], got {shared_len}")
         prefix = tokens[:shared_len]
-        m = self.index.match(prefix)
+        m = self.index.match(prefix) if match is None else match
         if m.length == shared_len:
             self.index.lock(m.node)
-            return self._record(Placement("hit", shared_len, m.slots, shared_len, m.node))
+            return self._record(Placement("hit", shared_len, m.slots, shared_len, m.node, hot_runs=list(m.hot_runs)))
         self.index.lock(m.node)  # pin the cached part while we make room
         try:
             need = shared_len - m.length
@@ -65,11 +70,16 @@ class Admission:
             self.index.unlock(m.node)
         new = torch.arange(slab.start, slab.end, dtype=torch.int64) if slab is not None else ids
         slots = torch.cat((m.slots, new.to(m.slots.device)))
-        self.index.insert(prefix, slots, slab=slab)
-        node = self.index.match(prefix).node
+        node = self.index.extend(m, prefix, slots, slab=slab)
         self.index.lock(node)
+        runs = list(m.hot_runs)
+        if slab is not None:  # the new tail is one HOT run; it joins the last cached run if contiguous
+            if runs and runs[-1][0] + runs[-1][2] == m.length and runs[-1][1] + runs[-1][2] == slab.start:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + need)
+            else:
+                runs.append((m.length, slab.start, need))
         where = "hot" if slab is not None else "cold"
-        return self._record(Placement(where, shared_len, slots, m.length, node, slab))
+        return self._record(Placement(where, shared_len, slots, m.length, node, slab, runs))
 
     def _alloc_hot(self, n: int) -> Slab | None:
         if not self.enable_hot or self.index.hot_pool.capacity == 0:

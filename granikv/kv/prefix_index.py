@@ -12,6 +12,7 @@ from granikv.kv.cold_pool import ColdPool
 from granikv.kv.hot_pool import HotPool, Slab
 
 _clock = itertools.count()
+_uids = itertools.count()
 
 
 class Node:
@@ -19,9 +20,11 @@ class Node:
 
     ``slab`` is the HOT slab these slots belong to (None for COLD). Several nodes may share
     one slab after a split; the slab is freed only when all of them are evicted together.
+    ``uid`` is unique per node object, never reused; a split keeps it on the lower part (the
+    node that still ends where it ended), the new upper part gets a fresh one.
     """
 
-    __slots__ = ("key", "slots", "slab", "parent", "children", "lock_ref", "last_access")
+    __slots__ = ("key", "slots", "slab", "parent", "children", "lock_ref", "last_access", "uid")
 
     def __init__(self, key: tuple, slots: torch.Tensor, slab: Slab | None, parent: "Node | None"):
         self.key = key
@@ -31,6 +34,7 @@ class Node:
         self.children: dict[int, Node] = {}
         self.lock_ref = 0
         self.last_access = next(_clock)
+        self.uid = next(_uids)
 
     def __len__(self) -> int:
         return len(self.key)
@@ -44,7 +48,8 @@ class Node:
 class PrefixMatch:
     """Result of :meth:`PrefixIndex.match`.
 
-    ``length`` tokens are cached; their slots are ``slots`` ``[length]`` (global ids);
+    ``length`` tokens are cached; their slots are ``slots`` ``[length]`` (global ids; read-only:
+    it may be the node's own tensor);
     ``node`` is the deepest matched node (lock it to pin the path; the root when nothing
     matched); ``hot_runs`` lists ``(token_pos, slot_start, length)`` runs of the match that
     are contiguous HOT rows, in token order.
@@ -102,7 +107,7 @@ class PrefixIndex:
                 else:
                     runs.append((pos, start, n))
             node, pos = child, pos + n
-        slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        slots = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else torch.empty(0, dtype=torch.int64)
         return PrefixMatch(pos, slots, node, runs)
 
     # ------------------------------------------------------------------ insert
@@ -113,31 +118,39 @@ class PrefixIndex:
         not taken (the caller still owns those slots and frees its duplicates). With
         ``slab``, the newly cached tail must lie inside that HOT slab.
         """
-        key = tuple(tokens)
-        if slots is None:
-            raise ValueError("PrefixIndex.insert: slots is required (tokens without locations)")
-        if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.numel() != len(key):
-            got = tuple(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__
-            raise ValueError(f"PrefixIndex.insert: slots must be a 1-D tensor with one id per token "
-                             f"({len(key)}), got {got}")
-        if len(key) == 0:
+        _check_slots("insert", len(tokens), slots)
+        if len(tokens) == 0:
             return 0
-        slots = slots.to(torch.int64)
-        m = self.match(key)
-        node, done = m.node, m.length
-        if done == len(key):
-            return done
-        tail = slots[done:]
+        m = self.match(tokens)
+        if m.length < len(tokens):
+            self._attach(m.node, tokens, m.length, slots, slab, "insert")
+        return m.length
+
+    def extend(self, m: PrefixMatch, tokens: Sequence[int], slots: torch.Tensor, slab: Slab | None = None) -> Node:
+        """:meth:`insert` without matching again: ``m`` is this index's :meth:`match` of ``tokens``,
+        its node still in place (locked since); caches ``tokens[m.length:]`` at ``slots[m.length:]``
+        under ``m.node`` and returns the new node (the one ending at ``len(tokens)``)."""
+        _check_slots("extend", len(tokens), slots)
+        if not m.length < len(tokens):
+            raise ValueError(f"PrefixIndex.extend: nothing to add ({len(tokens)} tokens, {m.length} cached)")
+        return self._attach(m.node, tokens, m.length, slots, slab, "extend")
+
+    def _attach(self, node: Node, tokens: Sequence[int], done: int, slots: torch.Tensor, slab: Slab | None,
+                what: str) -> Node:
+        tail = slots[done:].to(torch.int64)
         if slab is not None:
             lo, hi = int(tail.min()), int(tail.max())
             if lo < slab.start or hi >= slab.end:
-                raise ValueError(f"PrefixIndex.insert: new slots [{lo}, {hi}] are not inside {slab}")
-        new = Node(key[done:], tail.clone(), slab, node)
-        node.children[key[done]] = new
+                raise ValueError(f"PrefixIndex.{what}: new slots [{lo}, {hi}] are not inside {slab}")
+        key = tuple(tokens[done:])
+        if key[0] in node.children:
+            raise ValueError(f"PrefixIndex.{what}: {node} already has a child for token {key[0]} (stale match?)")
+        new = Node(key, tail.clone(), slab, node)
+        node.children[key[0]] = new
         if slab is not None:
             self._slab_nodes.setdefault(slab.start, set()).add(new)
         self.cached_tokens += len(new)
-        return done
+        return new
 
     def _split(self, child: Node, n: int) -> Node:
         """Split ``child`` after its first ``n`` tokens; returns the new upper node."""
@@ -226,6 +239,14 @@ class PrefixIndex:
 
     def slab_of(self, node: Node) -> Slab | None:
         return node.slab
+
+
+def _check_slots(what: str, n: int, slots) -> None:
+    if slots is None:
+        raise ValueError(f"PrefixIndex.{what}: slots is required (tokens without locations)")
+    if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.numel() != n:
+        got = tuple(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__
+        raise ValueError(f"PrefixIndex.{what}: slots must be a 1-D tensor with one id per token ({n}), got {got}")
 
 
 def _common_len(a: tuple, key: tuple, pos: int) -> int:
