@@ -9,10 +9,12 @@ kernel.jsonl row (decode cells ``<shape>-lp<Lp>-b<B>-k<k>``):
   backend, time_ms (median; CUDA-graph replay on GPU when capturable, else eager), time_ms_mean,
   time_ms_min, time_ms_eager, graph (bool), graph_error, plan_ms (host wall time of plan()),
   flops, bytes, tflops, tbps, tflops_frac_peak, tbps_frac_peak, max_abs_err, decisions.
+Variant dense_unsplit: the dense backend as one plain single-prefill call (before the KV chunks).
 metrics.json: time_ms_<backend>, fastest_backend, fastest_time_ms, dispatch_choice (granikv's
   per-class decisions), granikv_vs_fastest (time ratio), dispatch_within_3pct, peaks.
 Layout cells ``layout-<shape>-lp<Lp>-b<B>``: variant contiguous_dense (one non-causal attention of
-  all B queries over the HOT slab view) vs paged_unique_prefill / paged_unique_decode (each request
+  all B queries over the HOT slab view; contiguous_dense_split: the same as the dense backend runs
+  it, over interleaved KV chunks, GPU only) vs paged_unique_prefill / paged_unique_decode (each request
   its own prefix copy, page size 1); metrics: speedup_vs_paged_unique_*; with ``ncu=true`` on a GPU,
   dram_pct / sm_pct of each variant's longest kernel from Nsight Compute (first shape, largest layout
   Lp only, to bound the time; ncu_error when it could not run, e.g. no counters on a gVisor host).
@@ -39,7 +41,7 @@ from granikv.attention.backends import GranikvBackend, make_backend
 from granikv.attention.bench import Shape, attention_flops, build_cell, kv_bytes, measure_peaks, sync, time_fn
 from granikv.attention.dispatch import Dispatcher, check_table
 
-VARIANTS = ("paged", "cascade", "hydragen", "dense", "granikv_cascade", "granikv")
+VARIANTS = ("paged", "cascade", "hydragen", "dense", "dense_unsplit", "granikv_cascade", "granikv")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -139,8 +141,11 @@ def _dispatcher(spec: BenchSpec, shape: Shape, mode: str = "table") -> Dispatche
 
 
 def make_variant(spec: BenchSpec, shape: Shape, variant: str, cuda_graph: bool):
-    """A backend for one benchmark variant (granikv_cascade = granikv forced to per-class cascade)."""
+    """A backend for one benchmark variant (granikv_cascade = granikv forced to per-class cascade;
+    dense_unsplit = dense as one plain single-prefill call, without the interleaved KV chunks)."""
     dev, dt = spec.device, spec.torch_dtype
+    if variant == "dense_unsplit":
+        return make_backend("dense", shape.hq, shape.hkv, shape.d, dev, dt, cuda_graph=cuda_graph, dense_kv_splits=1)
     if variant in ("granikv", "granikv_cascade"):
         disp = _dispatcher(spec, shape, "table" if variant == "granikv" else "cascade_only")
         return GranikvBackend(shape.hq, shape.hkv, shape.d, dispatcher=disp, device=dev, dtype=dt, cuda_graph=cuda_graph)
@@ -267,7 +272,10 @@ def layout_fns(spec, shape, q, slab_k, slab_v, uk, uv, indptr, indices) -> dict:
     fo.plan_decode(dec, indptr.cpu().int(), indices.int(), torch.ones(b, dtype=torch.int32, device=q.device),
                    shape.hq, shape.hkv, shape.d, dt, dt, scale)
     kv = fo.paged(uk, uv)
+    splits = fo.dense_kv_splits(b, shape.hq, slab_k.shape[0], torch.cuda.get_device_properties(q.device).multi_processor_count)
     return {"contiguous_dense": lambda: fo.single_prefill(q, slab_k, slab_v, scale)[0],
+            # the dense backend's call: the same kernel over interleaved KV chunks that fill the SMs
+            "contiguous_dense_split": lambda: fo.single_prefill_split(q, slab_k, slab_v, scale, splits)[0],
             "paged_unique_prefill": lambda: pre.run(q, kv),
             "paged_unique_decode": lambda: dec.run(q, kv)}
 

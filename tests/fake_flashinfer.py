@@ -133,6 +133,15 @@ def merge_state(v_a, s_a, v_b, s_b):
     return R.merge_state(v_a, s_a, v_b, s_b)
 
 
+def merge_states(v, s):
+    """v [N, S, H, D], s [N, S, H] -> merged (v [N, H, D], s [N, H] fp32), as flashinfer.merge_states."""
+    assert v.dim() == 4 and s.dim() == 3 and v.shape[:3] == s.shape, "merge_states: v [N,S,H,D], s [N,S,H]"
+    o, lse = v[:, 0], s[:, 0].float()
+    for i in range(1, v.shape[1]):
+        o, lse = R.merge_state(o, lse, v[:, i], s[:, i])
+    return o.contiguous(), lse.contiguous()
+
+
 def merge_state_in_place(v, s, v_other, s_other, mask=None):
     assert v.dtype == v_other.dtype and s.dtype == s_other.dtype == torch.float32
     R.merge_state_in_place(v, s, v_other, s_other, mask)
@@ -143,6 +152,6 @@ def module() -> types.ModuleType:
     m.__version__ = "fake-0.7.2.post1"
     for name in ("BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
                  "MultiLevelCascadeAttentionWrapper", "single_prefill_with_kv_cache", "merge_state",
-                 "merge_state_in_place"):
+                 "merge_states", "merge_state_in_place"):
         setattr(m, name, globals()[name])
     return m

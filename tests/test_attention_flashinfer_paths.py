@@ -20,10 +20,10 @@ def fake_fi(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.module())
 
 
-def _make(name, hq, hkv, d, graph):
+def _make(name, hq, hkv, d, graph, splits=None):
     from granikv.attention.backends import BACKEND_CLASSES, GranikvBackend
 
-    kw = dict(device="cpu", dtype=torch.float32, cuda_graph=graph, impl="flashinfer")
+    kw = dict(device="cpu", dtype=torch.float32, cuda_graph=graph, impl="flashinfer", dense_kv_splits=splits)
     if name == "granikv":
         return GranikvBackend(hq, hkv, d, dispatcher=Dispatcher(hq, hkv, d, "t", MIXED), **kw)
     return BACKEND_CLASSES[name](hq, hkv, d, **kw)
@@ -31,11 +31,12 @@ def _make(name, hq, hkv, d, graph):
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("graph", [False, True])
-def test_flashinfer_path_bookkeeping(name, graph):
+@pytest.mark.parametrize("splits", [None, 4])
+def test_flashinfer_path_bookkeeping(name, graph, splits):
     hq, hkv, d = 8, 2, 8
     layouts = [([100], [6], [True], 0), ([4, 100, 100, 60], [2, 1, 4, 5], [True, True, True, False], 2),
                ([30, 30], [3, 3], [True, False], 1), ([], [], [], 3), ([50], [2], [True], 0)]
-    be = _make(name, hq, hkv, d, graph)
+    be = _make(name, hq, hkv, d, graph, splits)
     for seed, (lps, sizes, hot, nopfx) in enumerate(layouts):
         for rep in range(2):          # re-plan the same structure with new data (graph mode reuses buffers)
             k, v, batch = make_step(seed * 10 + rep, hkv, d, lps, sizes, hot, n_noprefix=nopfx, max_suffix=5)
@@ -240,3 +241,49 @@ def test_plan_reads_host_indptr_without_device_copy(name):
     q = torch.randn(batch.batch_size, hq, d)
     ref, _ = R.paged_decode_ref(q, k, v, batch.kv_indptr, batch.kv_indices)
     assert rel_err(be.run(q, k, v), ref) <= 1e-5
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (10, 2), (32, 8)])
+@pytest.mark.parametrize("splits", [1, 2, 4, 8])
+def test_single_prefill_split_equals_reference(hq, hkv, splits):
+    """Interleaved KV chunks folded into heads + merge_states == one attention over the whole slab."""
+    from granikv.attention import flashinfer_ops as fo
+
+    g = torch.Generator().manual_seed(hq * 100 + splits)
+    n, lp, d = 7, 64, 16
+    q = torch.randn(n, hq, d, generator=g)
+    k, v = torch.randn(lp, hkv, d, generator=g), torch.randn(lp, hkv, d, generator=g)
+    o, lse = fo.single_prefill_split(q, k, v, 0.3, splits)
+    ro, rl = R.attention_ref(q, k, v, 0.3)
+    assert o.shape == (n, hq, d) and lse.shape == (n, hq)
+    assert rel_err(o, ro) <= 1e-5 and torch.allclose(lse, rl, atol=1e-4)
+
+
+def test_single_prefill_split_rejects_uneven_chunks():
+    from granikv.attention import flashinfer_ops as fo
+
+    with pytest.raises(ValueError, match="divisible"):
+        fo.single_prefill_split(torch.randn(2, 4, 8), torch.randn(30, 2, 8), torch.randn(30, 2, 8), 0.3, 4)
+
+
+def test_dense_kv_splits_fills_the_sms():
+    """FlashInfer's Hopper single prefill: ceil(rows/128) x Hq CTAs; the split fills 132 SMs' waves."""
+    from granikv.attention.flashinfer_ops import dense_kv_splits
+
+    assert dense_kv_splits(256, 32, 16384, 132) == 2        # 64 CTAs -> 128
+    assert dense_kv_splits(32, 32, 16384, 132) == 4         # 32 -> 128
+    assert dense_kv_splits(512, 32, 16384, 132) == 1        # 128 CTAs already
+    assert dense_kv_splits(256, 20, 16384, 132) == 8        # Qwen-14B per TP=2 rank: 40 -> 320 (81%)
+    assert dense_kv_splits(256, 32, 16384, 0) == 1          # CPU
+    assert dense_kv_splits(8, 32, 256, 132) == 2            # chunks stay >= 128 keys
+    assert dense_kv_splits(8, 32, 16383, 132) == 1          # odd Lp: no even split
+    assert dense_kv_splits(8, 4, 1 << 20, 132) == 16        # capped at max_splits
+
+
+def test_dense_kv_splits_setting_is_used_and_checked():
+    be = _make("dense", 8, 2, 8, False, 4)
+    k, v, batch = make_step(3, 2, 8, [64], [5], [True], max_suffix=3)
+    be.plan(batch)
+    assert be._gpu.current.kv_splits(5, 64) == 4 and be._gpu.current.kv_splits(5, 30) == 1
+    with pytest.raises(ValueError, match="dense_kv_splits"):
+        _make("dense", 8, 2, 8, False, 0)

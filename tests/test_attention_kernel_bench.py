@@ -37,7 +37,8 @@ def test_kernel_bench_cpu_cells(tmp_path):
         rows = rawio.read_jsonl(d / "kernel.jsonl")
         assert rows
         if c.startswith("t-"):
-            assert [r["backend"] for r in rows] == ["paged", "cascade", "hydragen", "dense", "granikv_cascade", "granikv"]
+            assert [r["backend"] for r in rows] == ["paged", "cascade", "hydragen", "dense", "dense_unsplit",
+                                                    "granikv_cascade", "granikv"]
             for r in rows:
                 assert r["time_ms"] > 0 and r["flops"] > 0 and r["bytes"] > 0 and r["tflops"] > 0
                 assert r["max_abs_err"] < 1e-5 and r["decisions"]

@@ -101,7 +101,7 @@ class PrefixAttentionBackend:
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, tensor_core_decode: str = "auto", sm_scale: Optional[float] = None,
-                 cuda_graph: bool = False, impl: Optional[str] = None):
+                 cuda_graph: bool = False, impl: Optional[str] = None, dense_kv_splits: Optional[int] = None):
         if num_q_heads % num_kv_heads:
             raise ValueError(f"{self.name}: num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         self.hq, self.hkv, self.d = num_q_heads, num_kv_heads, head_dim
@@ -111,6 +111,11 @@ class PrefixAttentionBackend:
         self.sm_scale = reference.default_scale(head_dim) if sm_scale is None else sm_scale
         self.tensor_core_decode = tensor_core_decode
         self.cuda_graph = cuda_graph
+        # FlashInfer path: the dense/HydraGen prefix attention's interleaved KV chunks (None = auto:
+        # flashinfer_ops.dense_kv_splits fills the GPU's SMs; 1 = one plain single-prefill call)
+        if dense_kv_splits is not None and int(dense_kv_splits) < 1:
+            raise ValueError(f"{self.name}: dense_kv_splits must be >= 1 or None (auto), got {dense_kv_splits}")
+        self.dense_kv_splits = None if dense_kv_splits is None else int(dense_kv_splits)
         self.last_decisions: list[dict] = []
         self._plan: Optional[StepPlan] = None
         # impl: "torch" (reference math) or "flashinfer"; default by device
@@ -315,7 +320,7 @@ BACKEND_CLASSES = {"paged": PagedBackend, "cascade": CascadeBackend, "dense": De
 
 def make_backend(system_cfg: Any, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, dispatcher: Any = None,
-                 cuda_graph: bool = False) -> PrefixAttentionBackend:
+                 cuda_graph: bool = False, dense_kv_splits: Optional[int] = None) -> PrefixAttentionBackend:
     """The prefix backend of ``system_cfg.backend`` for heads per TP rank.
 
     Names: paged | cascade | hydragen | granikv (the SystemConfig backends) and dense (dense-HOT for
@@ -331,7 +336,7 @@ def make_backend(system_cfg: Any, num_q_heads: int, num_kv_heads: int, head_dim:
     if name not in BACKEND_CLASSES:
         raise ValueError(f"system.backend: '{name}' is not one of {tuple(BACKEND_CLASSES)}")
     tc = getattr(system_cfg, "tensor_core_decode", "auto")
-    kw = dict(device=device, dtype=dtype, tensor_core_decode=tc, cuda_graph=cuda_graph)
+    kw = dict(device=device, dtype=dtype, tensor_core_decode=tc, cuda_graph=cuda_graph, dense_kv_splits=dense_kv_splits)
     if name == "granikv":
         if dispatcher is None:
             from granikv.attention.dispatch import Dispatcher

@@ -133,6 +133,60 @@ def single_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
                                              return_lse=True)
 
 
+# FlashInfer's Hopper single prefill (include/flashinfer/attention/hopper/prefill_sm90.cuh,
+# SingleTileScheduler) launches a grid of ceil(qo_len / CTA_Q) x num_qo_heads CTAs, CTA_Q = 128 for
+# head_dim 128 non-causal, and never splits the KV: at B=256, Hq=32 that is 64 CTAs on the H200's 132
+# SMs, half the GPU idle while the dense prefix GEMM runs.
+SINGLE_PREFILL_CTA_Q = 128
+
+
+def dense_kv_splits(qo_len: int, num_qo_heads: int, kv_len: int, num_sms: int, max_splits: int = 16,
+                    min_chunk: int = 128, target: float = 0.8) -> int:
+    """How many interleaved KV chunks the dense prefix attention is split into (1 = one plain call).
+
+    The smallest power of two n (<= ``max_splits``, dividing ``kv_len``, chunks >= ``min_chunk`` keys)
+    whose n x ceil(qo_len/128) x Hq CTAs fill the ``num_sms`` SMs' waves to >= ``target``; else the n
+    that fills them best. ``num_sms`` <= 0 (CPU) -> 1. Pure host arithmetic (graph-safe).
+    """
+    if num_sms <= 0 or qo_len <= 0:
+        return 1
+    ctas = -(-qo_len // SINGLE_PREFILL_CTA_Q) * num_qo_heads
+    best, best_eff, n = 1, 0.0, 1
+    while n <= max_splits and kv_len % n == 0 and (n == 1 or kv_len // n >= min_chunk):
+        c = ctas * n
+        eff = c / (-(-c // num_sms) * num_sms)
+        if eff >= target:
+            return n
+        if eff > best_eff + 1e-9:
+            best, best_eff = n, eff
+        n *= 2
+    return best
+
+
+def single_prefill_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+                         splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense non-causal attention of q [N, Hq, D] over contiguous k/v [L, Hkv, D] as ONE FlashInfer
+    single prefill over ``splits`` interleaved KV chunks, then one ``merge_states``.
+
+    Key t = splits * t' + c of kv head h becomes key t' of kv head c*Hkv + h: ``k.view(L/splits,
+    splits*Hkv, D)``, a free view of the contiguous slab. Query head c*Hq + j is q head j
+    (``q.repeat(1, splits, 1)``, [N, splits*Hq, D]), so FlashInfer's GQA map (q head // group) sends
+    it to chunk c of its own kv head. Attention is order-free over keys (RoPE is already in the cached
+    K), so merging the chunk states (base-2 LSE) is exact. -> (o [N, Hq, D], lse [N, Hq] fp32).
+    """
+    if splits == 1:
+        return single_prefill(q, k, v, sm_scale)
+    n, hq, d = q.shape
+    L, hkv, dv = v.shape
+    if L % splits or not (k.is_contiguous() and v.is_contiguous()):
+        raise ValueError(f"single_prefill_split: kv_len={L} must be divisible by splits={splits} and k/v contiguous")
+    qn = q.repeat(1, splits, 1)                                   # [N, splits*Hq, D]
+    kn = k.view(L // splits, splits * hkv, k.shape[-1])           # [L/splits, splits*Hkv, D]
+    vn = v.view(L // splits, splits * hkv, dv)
+    o, s = single_prefill(qn, kn, vn, sm_scale)                   # [N, splits*Hq, D], [N, splits*Hq]
+    return fi().merge_states(o.view(n, splits, hq, dv), s.view(n, splits, hq))
+
+
 def merge_state(v_a, s_a, v_b, s_b):
     """FlashInfer merge of two states (base-2 LSE) -> (v, s)."""
     return fi().merge_state(v_a, s_a, v_b, s_b)

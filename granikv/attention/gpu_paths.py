@@ -11,6 +11,11 @@ reads lives in buffers that plan() overwrites in place. Per layer, run() issues:
   hydragen gather + single prefill / ONE paged batch prefill for all per-class-cascade classes
   -> scatter into the prefix state -> ONE in-place merge.
 
+The dense (and HydraGen) single prefill runs over ``n`` interleaved KV chunks folded into the head
+dimension (flashinfer_ops.single_prefill_split: still one launch, plus one merge_states), with ``n``
+chosen so the CTAs fill the SMs (FlashInfer's Hopper single prefill has no split-KV: 64 CTAs on 132
+SMs at B=256, Hq=32). ``be.dense_kv_splits`` fixes ``n`` (1 = the plain call).
+
 The batch-global ``cascade`` backend runs FlashInfer's MultiLevelCascadeAttentionWrapper (2 levels).
 """
 from __future__ import annotations
@@ -31,6 +36,7 @@ class WrapperSet:
         dev = be.device
         self.ws = fo.workspace(dev)
         self.tc = fo.use_tensor_cores(be.hq, be.hkv, be.dtype, be.tensor_core_decode)
+        self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
         b = batch_size
         i32 = dict(dtype=torch.int32, device=dev)
         split = [c for c in classes if c.choice != "paged"]
@@ -158,7 +164,14 @@ class WrapperSet:
             kp, vp = self.scratch_k[:lp], self.scratch_v[:lp]
             torch.index_select(k_cache, 0, slots, out=kp)
             torch.index_select(v_cache, 0, slots, out=vp)
-        return fo.single_prefill(qc, kp, vp, self.be.sm_scale)
+        return fo.single_prefill_split(qc, kp, vp, self.be.sm_scale, self.kv_splits(qc.shape[0], lp))
+
+    def kv_splits(self, rows: int, lp: int) -> int:
+        """KV chunks of a dense/HydraGen prefix call with ``rows`` queries over ``lp`` keys."""
+        fixed = self.be.dense_kv_splits
+        if fixed is not None:
+            return fixed if lp % fixed == 0 else 1
+        return fo.dense_kv_splits(rows, self.be.hq, lp, self.num_sms)
 
 
 class GpuPaths:

@@ -45,7 +45,9 @@ have_table() {  # the fitted table covers both attention shapes of the grid
 import yaml, sys
 t = (yaml.safe_load(open('conf/hardware/h200.yaml')) or {}).get('decision_table') or []
 shapes = {(r.get('num_q_heads'), r.get('num_kv_heads'), r.get('head_dim')) for r in t}
-sys.exit(0 if {(32, 8, 128), (20, 4, 128)} <= shapes else 1)" 2>/dev/null
+sys.exit(0 if {(32, 8, 128), (20, 4, 128)} <= shapes else 1)" 2>/dev/null \
+  && [ -f results/raw/calibration/fit-llama3_8b/metrics.json ] \
+  && [ -f results/raw/calibration/fit-qwen25_14b_tp2/metrics.json ]   # fitted from the calibration cells present
 }
 T=$(left)
 if have_table && [ -z "${GRANIKV_RECALIBRATE:-}" ]; then

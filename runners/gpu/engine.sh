@@ -22,7 +22,7 @@
 #                              logits vs the no-cache reference, CUDA-graph replay vs eager)
 #   fi_cache.tar.xz.part-*     the FlashInfer JIT cache (<= 4 parts; put them in .fi_cache/parts/)
 #
-# Knobs (environment): GRANIKV_TP=2 runs under torchrun with 2 ranks (the nvidia-h200-x2 kind),
+# Knobs (environment): GRANIKV_ENGINE_OUT (default results/raw/engine_bench), GRANIKV_TP=2 runs under torchrun with 2 ranks (the nvidia-h200-x2 kind),
 # GRANIKV_ENGINE_MODEL=qwen25_14b (default llama3_8b), GRANIKV_ENGINE_BENCH_ARGS="..." adds
 # arguments (e.g. "--systems sglang_default,granikv --cuda-graph-max-bs 0").
 set -uo pipefail
@@ -37,7 +37,7 @@ log "engine gpu tests rc=${PIPESTATUS[0]}"
 else
   log "GPU tests skipped (GRANIKV_SKIP_GPU_TESTS set)"
 fi
-RES=results/raw/engine_bench
+RES=${GRANIKV_ENGINE_OUT:-results/raw/engine_bench}   # e.g. results/raw/engine_bench_qwen25_14b_tp2
 rm -rf "$RES"
 T=$(left); [ "$T" -gt 60 ] || T=60
 log "engine_bench (limit ${T}s)"
