@@ -10,7 +10,7 @@ A cell is any folder under the results root holding ``config.json``, ``metrics.j
 - ``kernels``: one row per line of every ``kernel.jsonl`` (kernel and calibration cells): the
   line's fields as ``k.<field>``, with the cell's flattened config beside them.
 
-``load_steps(cell_path)`` reads one cell's dispatch trace (``steps.jsonl``). Anything that does
+``load_steps(cell_path)`` reads one cell's dispatch trace (``steps.jsonl``, or ``.jsonl.gz``). Anything that does
 not match the schema raises :class:`granikv.rawio.SchemaError` naming the file and the field.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ import pandas as pd
 
 from granikv.rawio import (CELL_KINDS, PROVENANCE_KEYS, REQUIRED_FILES, SERVING_METRICS, SchemaError,
                            read_json, read_jsonl)
+from granikv.rawio import exists as rawio_exists
 
 CELL_MARKERS = ("config.json", "metrics.json", "failure.json")
 
@@ -103,7 +104,7 @@ def cell_kind(cell: Path, config: dict) -> str:
     if kind is not None:
         _need(kind in CELL_KINDS, cell / "config.json", "cell_kind", f"is '{kind}', must be one of {CELL_KINDS}")
         return kind
-    return "kernel" if (cell / "kernel.jsonl").exists() else "serving"
+    return "kernel" if rawio_exists(cell / "kernel.jsonl") else "serving"
 
 
 def check_config(path: Path, config: dict) -> None:
@@ -140,7 +141,7 @@ def _load_cell(root: Path, cell: Path) -> tuple[str, dict, list[dict], list[str]
         check_config(cfg_path, config)
         kind = cell_kind(cell, config)
         for f in REQUIRED_FILES[kind]:
-            _need((cell / f).exists(), cell / f, "<file>", f"is missing: a finished {kind} cell needs {REQUIRED_FILES[kind]}")
+            _need(rawio_exists(cell / f), cell / f, "<file>", f"is missing: a finished {kind} cell needs {REQUIRED_FILES[kind]}")
         metrics = _read_dict(cell / "metrics.json")
         check_metrics(cell / "metrics.json", kind, metrics)
         flat_cfg = flatten(config)
@@ -151,7 +152,7 @@ def _load_cell(root: Path, cell: Path) -> tuple[str, dict, list[dict], list[str]
             elif row[k] != v:
                 row[f"metrics.{k}"] = v
         krows = []
-        if (cell / "kernel.jsonl").exists():
+        if rawio_exists(cell / "kernel.jsonl"):
             kpath = cell / "kernel.jsonl"
             for i, r in enumerate(read_jsonl(kpath), 1):
                 _need(isinstance(r, dict), kpath, f"line {i}", "must be a JSON object")
@@ -200,7 +201,7 @@ def load_steps(cell_path: str | Path, explode: str | None = None) -> pd.DataFram
     (step, class), the class's fields as ``<explode>.<field>`` columns.
     """
     path = Path(cell_path) / "steps.jsonl"
-    if not path.exists():
+    if not rawio_exists(path):
         raise SchemaError(f"{path}: `<file>` is missing (a serving cell records its steps)")
     rows = read_jsonl(path)
     for i, r in enumerate(rows, 1):

@@ -5,9 +5,17 @@ A cell is ``results/raw/<sweep>/<cell_id>/`` holding ``config.json`` (resolved c
 add ``requests.jsonl`` and ``steps.jsonl``; kernel cells add ``kernel.jsonl``. Writes go to a
 temp file in the same folder and are renamed into place, so a killed sweep never leaves a
 half file that analysis would read as a result.
+
+A ``.jsonl`` file may be stored gzip-compressed as ``<name>.jsonl.gz`` (serving sweeps write
+``requests.jsonl.gz`` / ``steps.jsonl.gz``: a ShareGPT cell's per-token times and output ids are
+~6 MB as text, ~0.6 MB compressed, and the whole results tree travels to the GPU host, 64 MiB per
+call). ``data_path``/``exists``/``read_jsonl`` take the logical name and find either form.
+``python -m granikv.rawio compress CELL...`` gzips a cell's ``.jsonl`` files losslessly (the
+decompressed bytes are checked equal to the original before it is removed).
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import platform
@@ -53,16 +61,45 @@ def write_json(path: str | Path, obj: Any) -> None:
     _atomic_write(Path(path), json.dumps(obj, indent=2, sort_keys=True, default=_default) + "\n")
 
 
-def write_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
-    """Write one JSON object per line, atomically."""
-    _atomic_write(Path(path), "".join(json.dumps(r, sort_keys=True, default=_default) + "\n" for r in rows))
+def write_jsonl(path: str | Path, rows: Iterable[dict], compress: bool = False) -> Path:
+    """Write one JSON object per line, atomically; ``compress`` (or a ``.gz`` name) -> ``<path>.gz``
+    (gzip, mtime 0: the same rows give the same bytes). Returns the path written; the other form
+    of the same logical file is removed, so a cell never holds two versions."""
+    path = Path(path)
+    text = "".join(json.dumps(r, sort_keys=True, default=_default) + "\n" for r in rows)
+    plain = path.with_name(path.name[:-3]) if path.suffix == ".gz" else path
+    gz = plain.with_name(plain.name + ".gz")
+    if compress or path.suffix == ".gz":
+        _atomic_write(gz, gzip.compress(text.encode(), mtime=0))
+        out, other = gz, plain
+    else:
+        _atomic_write(plain, text)
+        out, other = plain, gz
+    if other.exists():
+        other.unlink()
+    return out
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def data_path(path: str | Path) -> Path:
+    """The stored form of a logical file: ``path`` if present, else ``path.gz`` if present, else ``path``."""
+    path = Path(path)
+    if not path.exists():
+        gz = path.with_name(path.name + ".gz")
+        if gz.exists():
+            return gz
+    return path
+
+
+def exists(path: str | Path) -> bool:
+    """Whether a logical file is stored, plain or as ``<name>.gz``."""
+    return data_path(path).exists()
+
+
+def _atomic_write(path: Path, text: str | bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -82,8 +119,11 @@ def read_json(path: str | Path) -> Any:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
+    """Rows of a ``.jsonl`` file; the logical name also finds ``<name>.gz`` (see ``data_path``)."""
+    path = data_path(path)
     rows = []
-    with open(path) as f:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
         for i, line in enumerate(f, 1):
             if line.strip():
                 try:
@@ -158,3 +198,30 @@ def cell_state(cell_dir: str | Path) -> str:
     if (d / "failure.json").exists():
         return "failed"
     return "partial" if d.exists() else "absent"
+
+
+def compress_cell(cell: str | Path) -> list[Path]:
+    """Gzip every plain ``*.jsonl`` of a cell folder, losslessly: the ``.gz`` is written atomically,
+    decompressed and compared byte for byte with the original, and only then is the original
+    removed. Returns the files compressed."""
+    done = []
+    for p in sorted(Path(cell).glob("*.jsonl")):
+        raw = p.read_bytes()
+        gz = p.with_name(p.name + ".gz")
+        _atomic_write(gz, gzip.compress(raw, mtime=0))
+        if gzip.decompress(gz.read_bytes()) != raw:
+            gz.unlink()
+            raise RuntimeError(f"{gz}: compressed copy does not decompress to {p}; original kept")
+        p.unlink()
+        done.append(gz)
+    return done
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) < 3 or sys.argv[1] != "compress":
+        sys.exit("usage: python -m granikv.rawio compress CELL_DIR [CELL_DIR ...]")
+    for c in sys.argv[2:]:
+        for g in compress_cell(c):
+            print(f"compressed {g}")

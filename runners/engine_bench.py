@@ -9,7 +9,7 @@ logit probe of the first decode steps), a measured pass (TTFT / TPOT / ITL / E2E
 dispatch trace), and a short profiled pass (torch.profiler) from which the share of each decode
 step spent outside GPU kernels is read. Then each system's tokens (measured pass) and probed
 logits are compared with sglang_default's. Writes one serving cell per system
-(``<out>/<system>/{config,metrics}.json, requests.jsonl, steps.jsonl``) and ``<out>/summary.json``.
+(``<out>/<system>/{config,metrics}.json, requests.jsonl.gz, steps.jsonl.gz``) and ``<out>/summary.json``.
 Used until runners/run.py drives the engine; the metric definitions are DESIGN.md's.
 """
 from __future__ import annotations
@@ -231,8 +231,8 @@ def write_cell(cell: Path, cfg: RunConfig, args, res, metrics: dict, prov: dict)
         {"rid": r.rid, "arrival_s": r.arrival_s, "prompt_len": r.prompt_len, "output_len": len(r.output_ids),
          "first_token_s": r.first_token_s, "finish_s": r.finish_s, "cached_len": r.cached_len,
          "prefix_class": r.prefix_class, "prefix_where": r.prefix_where, "output_ids": r.output_ids,
-         "token_times_s": r.token_times_s} for r in res.records])
-    rawio.write_jsonl(cell / "steps.jsonl", res.steps)
+         "token_times_s": r.token_times_s} for r in res.records], compress=True)
+    rawio.write_jsonl(cell / "steps.jsonl", res.steps, compress=True)
     rawio.write_json(cell / "metrics.json", metrics)
 
 

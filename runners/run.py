@@ -10,8 +10,8 @@ A cell goes to ``<results_dir>/<sweep_name>/<cell_id>/`` where ``cell_id`` is th
 Hydra overrides, sorted and sanitised (``system=granikv,workload.prefix_len=256``; keys that
 do not change the measurement - results_dir, sweep_name, sweep, launcher, force, nvml, nsys - are left
 out). It holds config.json (resolved config + provenance), workload.jsonl (the trace; token
-ids regenerate from seed + workload), requests.jsonl (with output_ids), steps.jsonl (the
-dispatch trace), metrics.json (written last: its presence marks the cell done) and
+ids regenerate from seed + workload), requests.jsonl.gz (with output_ids), steps.jsonl.gz (the
+dispatch trace; gzip: granikv.rawio reads either form), metrics.json (written last: its presence marks the cell done) and
 telemetry files when available (nvml.csv, trace.json.gz, profile.nsys-rep). A cell with
 metrics.json is skipped unless ``force=true``. A failing cell writes failure.json (error,
 traceback, config) and a sweep goes on. Bad input fails before any work with the key named:
@@ -372,8 +372,8 @@ def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], e
         prof.finish()
     if not lead:
         return
-    rawio.write_jsonl(cell / "requests.jsonl", _request_rows(requests, result.records))
-    rawio.write_jsonl(cell / "steps.jsonl", result.steps)
+    rawio.write_jsonl(cell / "requests.jsonl", _request_rows(requests, result.records), compress=True)
+    rawio.write_jsonl(cell / "steps.jsonl", result.steps, compress=True)
     m = metrics_mod.summarize(result.records, result.steps, result.stats)
     telemetry = {**nvml.summary(), **prof.summary(),
                  "nsys_note": ("captured (profile.nsys-rep)" if os.environ.get(ENV_GUARD)

@@ -14,7 +14,8 @@ import pytest
 
 from analysis.load import find_cells, load_results, load_steps
 from analysis.reproduce import MODULES, run
-from granikv.rawio import SchemaError, read_json, write_json
+from granikv.rawio import SchemaError, data_path, read_json, write_json
+from granikv.rawio import exists as rawio_exists
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVING = ["model=tiny", "hardware=cpu", "workload=synthetic", "workload.batch=4", "workload.output_len=8",
@@ -105,7 +106,7 @@ def _corrupt(raw: Path, tmp: Path, which: str):
     """A copy of the runner's folders with one cell changed; returns (root, the changed file)."""
     root = tmp / "raw"
     shutil.copytree(raw, root)
-    cell = next(c for c in find_cells(root) if (c / "steps.jsonl").exists())
+    cell = next(c for c in find_cells(root) if rawio_exists(c / "steps.jsonl"))
     if which == "provenance":
         cfg = read_json(cell / "config.json")
         del cfg["provenance"]["gpu_name"]
@@ -122,7 +123,7 @@ def _corrupt(raw: Path, tmp: Path, which: str):
         write_json(cell / "metrics.json", m)
         return root, cell / "metrics.json", "dispatch_counts"
     if which == "file":
-        (cell / "steps.jsonl").unlink()
+        data_path(cell / "steps.jsonl").unlink()
         return root, cell / "steps.jsonl", "<file>"
     (cell / "metrics.json").write_text('{"output_throughput_tok_s": ')  # truncated JSON
     return root, cell / "metrics.json", "not valid JSON"
@@ -139,7 +140,7 @@ def test_schema_error_names_file_and_field(raw, tmp_path, which):
 def test_unfinished_cell_is_listed(raw, tmp_path):
     root = tmp_path / "raw"
     shutil.copytree(raw, root)
-    cell = next(c for c in find_cells(root) if (c / "steps.jsonl").exists())
+    cell = next(c for c in find_cells(root) if rawio_exists(c / "steps.jsonl"))
     (cell / "metrics.json").unlink()
     r = load_results(root)
     assert cell.name in set(r.failures.loc[r.failures["state"] == "partial", "cell_id"])
@@ -188,7 +189,7 @@ def _thr(raw: Path, match: dict) -> float:
     from granikv.rawio import read_json
     hits = []
     for c in find_cells(raw):
-        if not (c / "metrics.json").exists() or not (c / "steps.jsonl").exists():
+        if not (c / "metrics.json").exists() or not rawio_exists(c / "steps.jsonl"):
             continue
         cfg = read_json(c / "config.json")
         if cfg["profile_steps"] == 0 and all(cfg[k.split(".")[0]][k.split(".")[1]] == v for k, v in match.items()):

@@ -30,7 +30,7 @@ def test_kernel_bench_cpu_cells(tmp_path):
         d = root / c
         assert rawio.cell_state(d) == "done"
         for f in rawio.REQUIRED_FILES["kernel"]:
-            assert (d / f).exists(), (c, f)
+            assert rawio.exists(d / f), (c, f)
         cfg = rawio.read_json(d / "config.json")
         assert all(k in cfg["provenance"] for k in rawio.PROVENANCE_KEYS)
         assert cfg["cell"]["cell_id"] == c

@@ -21,7 +21,7 @@ def test_engine_bench_cpu(tmp_path):
     for name, s in summary["systems"].items():
         cell = out / name
         for f in rawio.REQUIRED_FILES["serving"]:
-            assert (cell / f).exists(), f
+            assert rawio.exists(cell / f), f
         m = rawio.read_json(cell / "metrics.json")
         missing = [k for k in rawio.SERVING_METRICS if k not in m]
         assert not missing

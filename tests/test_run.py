@@ -34,7 +34,7 @@ def cli(*args, cwd=ROOT):
 
 def check_serving_cell(cell: Path) -> dict:
     for f in rawio.REQUIRED_FILES["serving"] + ("workload.jsonl",):
-        assert (cell / f).exists(), f"{cell}: {f} missing"
+        assert rawio.exists(cell / f), f"{cell}: {f} missing"
     cfg = rawio.read_json(cell / "config.json")
     assert cfg["cell_kind"] == "serving" and cfg["cell"]["cell_id"] == cell.name
     assert set(rawio.PROVENANCE_KEYS) <= set(cfg["provenance"])

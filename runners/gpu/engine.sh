@@ -15,8 +15,8 @@
 #
 # Writes into $OUT (<= 8 files, each < 15 MB):
 #   engine_summary.json        the table above per system (also printed at the end)
-#   engine_results.tar.gz      results/raw/engine_bench/<system>/{config,metrics}.json, requests.jsonl,
-#                              steps.jsonl (+ failure.json for a system that failed), summary.json
+#   engine_results.tar.gz      results/raw/engine_bench/<system>/{config,metrics}.json, requests.jsonl.gz,
+#                              steps.jsonl.gz (+ failure.json for a system that failed), summary.json
 #   engine_bench.log           the full log
 #   engine_gpu_tests.log       pytest -m gpu tests/test_engine_gpu.py (small model: every system's decode
 #                              logits vs the no-cache reference, CUDA-graph replay vs eager)

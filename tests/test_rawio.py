@@ -1,0 +1,55 @@
+"""granikv.rawio: jsonl stored plain or gzip-compressed, lossless cell compression."""
+import gzip
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from granikv import rawio
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = [{"rid": i, "token_times_s": [0.1 * j for j in range(i + 3)], "output_ids": list(range(i, i + 3))}
+        for i in range(20)]
+
+
+def test_compressed_jsonl_reads_through_the_logical_name(tmp_path):
+    p = rawio.write_jsonl(tmp_path / "requests.jsonl", ROWS, compress=True)
+    assert p == tmp_path / "requests.jsonl.gz" and not (tmp_path / "requests.jsonl").exists()
+    assert rawio.exists(tmp_path / "requests.jsonl") and rawio.data_path(tmp_path / "requests.jsonl") == p
+    assert rawio.read_jsonl(tmp_path / "requests.jsonl") == ROWS
+    # deterministic bytes (mtime 0): rerunning a cell with the same rows gives the same file
+    b = p.read_bytes()
+    rawio.write_jsonl(tmp_path / "requests.jsonl", ROWS, compress=True)
+    assert p.read_bytes() == b
+
+
+def test_one_form_per_logical_file(tmp_path):
+    rawio.write_jsonl(tmp_path / "steps.jsonl", ROWS)
+    rawio.write_jsonl(tmp_path / "steps.jsonl", ROWS[:2], compress=True)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["steps.jsonl.gz"]
+    rawio.write_jsonl(tmp_path / "steps.jsonl", ROWS[:1])
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["steps.jsonl"]
+    assert rawio.read_jsonl(tmp_path / "steps.jsonl") == ROWS[:1]
+    assert not rawio.exists(tmp_path / "requests.jsonl")
+
+
+def test_corrupt_compressed_line_names_file_and_line(tmp_path):
+    (tmp_path / "steps.jsonl.gz").write_bytes(gzip.compress(b'{"a": 1}\n{"a": \n'))
+    with pytest.raises(rawio.SchemaError, match=r"steps.jsonl.gz:2"):
+        rawio.read_jsonl(tmp_path / "steps.jsonl")
+
+
+def test_compress_cell_is_lossless_and_cli(tmp_path):
+    cell = tmp_path / "c"
+    rawio.write_jsonl(cell / "requests.jsonl", ROWS)
+    rawio.write_jsonl(cell / "workload.jsonl", ROWS[:3])
+    rawio.write_json(cell / "metrics.json", {"x": 1})
+    orig = {p.name: p.read_bytes() for p in cell.glob("*.jsonl")}
+    r = subprocess.run([sys.executable, "-m", "granikv.rawio", "compress", str(cell)], cwd=ROOT,
+                       capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in cell.iterdir()) == ["metrics.json", "requests.jsonl.gz", "workload.jsonl.gz"]
+    for name, raw in orig.items():
+        assert gzip.decompress((cell / (name + ".gz")).read_bytes()) == raw
+    assert rawio.read_jsonl(cell / "requests.jsonl") == ROWS
