@@ -150,6 +150,11 @@ def _gpus(*dfs: pd.DataFrame) -> list[str]:
     return sorted(out)
 
 
+# a "grows monotonically with Lp (512..16K)" claim is confirmed only over its span: both ends and
+# at least 4 Lp values (a decrease anywhere refutes it at once)
+MONOTONE_LP_SPAN = (512, 16384)
+MONOTONE_MIN_LPS = 4
+
 WHAT = {"cells": "cell", "kernels": "kernel row", "trace": "profiled cell",
         "steps": "dispatch_overhead cell"}
 
@@ -187,7 +192,15 @@ def _ratio_stat(ctx: Context, c: pd.Series, sel: dict, base: dict, reduce: str) 
             parts.append(" -> ".join(f"{v:.2f}@{int(lp)}" for lp, v in zip(g["workload.prefix_len"], g["ratio"])))
         if not parts:
             return Outcome(why=f"fewer than two Lp values measured ({len(p)} pair)", gpus=gpus)
-        return Outcome(ok, ("monotone: " if ok else "not monotone: ") + "; ".join(parts), len(p), gpus=gpus)
+        if not ok:       # a counterexample decides, however few Lp values were measured
+            return Outcome(ok, "not monotone: " + "; ".join(parts), len(p), gpus=gpus)
+        lps = set(int(x) for x in p["workload.prefix_len"])
+        lo, hi = MONOTONE_LP_SPAN
+        if not ({lo, hi} <= lps and len(lps) >= MONOTONE_MIN_LPS):
+            return Outcome(why=f"only Lp {sorted(lps)} measured (non-decreasing so far: {'; '.join(parts)}); "
+                               f"the claim spans Lp {lo}..{hi}: needs both ends and >= {MONOTONE_MIN_LPS} Lp values",
+                           gpus=gpus)
+        return Outcome(ok, "monotone: " + "; ".join(parts), len(p), gpus=gpus)
     raise ValueError(reduce)
 
 

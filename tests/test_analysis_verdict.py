@@ -121,3 +121,29 @@ def test_amdahl_formula():
     assert amdahl(0.0, 15.6) == 1.0
     assert math.isclose(amdahl(1.0, 15.6), 15.6)
     assert math.isclose(amdahl(0.5, 2.0), 1 / 0.75)
+
+
+def _monotone(lps, ratios):
+    """The monotone statistic over a hand-built frame: granikv / sglang_default = ``ratios`` at ``lps``."""
+    from types import SimpleNamespace
+
+    rows = []
+    for lp, r in zip(lps, ratios):
+        rows += [{"system.name": "granikv", "workload.prefix_len": lp, "output_throughput_tok_s": 100.0 * r},
+                 {"system.name": "sglang_default", "workload.prefix_len": lp, "output_throughput_tok_s": 100.0}]
+    df = pd.DataFrame(rows)
+    ctx = SimpleNamespace(frame=lambda name: df,
+                          res=SimpleNamespace(config_columns=["system.name", "workload.prefix_len"]))
+    c = pd.Series({"frame": "cells", "metric": "output_throughput_tok_s"})
+    return C._ratio_stat(ctx, c, parse_selectors("system.name=granikv"),
+                         parse_selectors("system.name=sglang_default"), "monotone")
+
+
+def test_monotone_needs_the_claimed_lp_span():
+    full = [512, 1024, 2048, 4096, 8192, 16384]
+    assert _monotone(full, [1.0, 1.0, 1.1, 1.3, 1.5, 1.9]).value is True
+    assert _monotone(full, [1.0, 1.2, 1.1, 1.3, 1.5, 1.9]).value is False
+    partial = _monotone([8192, 16384], [1.49, 1.88])          # rising, but two points of six
+    assert math.isnan(partial.value) and "needs both ends" in partial.why and "[8192, 16384]" in partial.why
+    assert math.isnan(_monotone([512, 8192, 16384], [1.0, 1.5, 1.9]).value)   # fewer than 4 Lp values
+    assert _monotone([8192, 16384], [1.9, 1.5]).value is False             # a decrease refutes at once
