@@ -120,9 +120,11 @@ class HardwareConfig:
     peak_tflops: float = 0.0          # measured bf16 dense peak (kernel_bench roofline)
     peak_tbps: float = 0.0            # measured HBM bandwidth
     decision_table: Optional[list[dict[str, Any]]] = None  # fitted by runners.calibrate
+    fused_ops: str = "auto"           # RMSNorm/RoPE/SiLU-mul as FlashInfer's fused kernels (SGLang's): auto = on CUDA | on | off
 
     def __post_init__(self):
         _need(self.device in ("cpu", "cuda"), "hardware.device", "cpu | cuda")
+        _need(self.fused_ops in ("auto", "on", "off"), "hardware.fused_ops", "auto | on | off")
         _need(self.dtype in ("float32", "bfloat16", "float16"), "hardware.dtype", "float32 | bfloat16 | float16")
         _need(0.0 < self.mem_fraction <= 1.0, "hardware.mem_fraction", "must be in (0, 1]")
         _need(self.kv_budget_tokens is None or self.kv_budget_tokens > 0, "hardware.kv_budget_tokens", "must be > 0")

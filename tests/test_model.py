@@ -38,12 +38,19 @@ def test_rope_is_relative():
     cfg = ModelConfig(head_dim=16, max_position_embeddings=256, rope_scaling=LLAMA31_SCALING)
     rope = RotaryEmbedding(cfg, "cpu")
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(1, 1, 16, generator=g), torch.randn(1, 1, 16, generator=g)
+    q, k = torch.randn(1, 16, generator=g), torch.randn(1, 16, generator=g)    # [n, H*D], one head
+
+    def rq(m):
+        return rope(torch.tensor([m]), q, k)[0]
+
+    def rk(n):
+        return rope(torch.tensor([n]), q, k)[1]
+
     def dot(m, n):
-        return float((rope(torch.tensor([m]), q) * rope(torch.tensor([n]), k)).sum())
+        return float((rq(m) * rk(n)).sum())
     assert dot(10, 3) == pytest.approx(dot(107, 100), rel=1e-4, abs=1e-5)
     assert dot(10, 3) != pytest.approx(dot(10, 4), rel=1e-3)
-    torch.testing.assert_close(rope(torch.tensor([55]), q).norm(), q.norm())
+    torch.testing.assert_close(rq(55).norm(), q.norm())
 
 
 def test_reference_attention_matches_sdpa():

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from granikv.config import RunConfig
+from granikv.engine.fused import resolve_fused
 from granikv.engine.model import CausalLM, TPGroup, generate_reference
 from granikv.engine.runner import ModelRunner
 from granikv.engine.scheduler import Scheduler, Seq, Storage, check_fits
@@ -92,7 +93,8 @@ class Engine:
         self.tp = TPGroup(cfg.tp)
         self.device = torch.device(hw.device, torch.cuda.current_device()) if hw.device == "cuda" else torch.device("cpu")
         self.dtype = DTYPES[hw.dtype]
-        self.model = CausalLM(m, self.tp, cfg.seed, self.device, self.dtype)
+        self.fused_ops = resolve_fused(hw.fused_ops, self.device)
+        self.model = CausalLM(m, self.tp, cfg.seed, self.device, self.dtype, fused_ops=self.fused_ops)
         hkv, hq = m.num_kv_heads // cfg.tp, m.num_heads // cfg.tp
         bytes_per_token = 2 * m.num_layers * hkv * m.head_dim * self.model.embed.element_size()
         budget = kv_budget_tokens(cfg, bytes_per_token, self.device)
@@ -240,6 +242,7 @@ class Engine:
             "eager_decode_reasons": dict(self.runner.eager_reasons),
             "num_steps": len(steps), "num_decode_steps": sum(s["kind"] == "decode" for s in steps),
             "tp": self.tp.size, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+            "fused_ops": self.fused_ops,
         }
 
     # ------------------------------------------------------------------ oracle

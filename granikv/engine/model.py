@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from granikv.config import ModelConfig
+from granikv.engine.fused import LayerOps
 
 
 class Attention(Protocol):
@@ -72,21 +73,18 @@ def _shard(w: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with an optional fused residual add (returns (normed, new residual))."""
+    """RMSNorm with an optional fused residual add (returns (normed, new residual)); math in ``ops``."""
 
-    def __init__(self, size: int, eps: float, device, dtype):
+    def __init__(self, size: int, eps: float, device, dtype, ops: LayerOps | None = None):
         super().__init__()
         self.eps = eps
+        self.ops = ops or LayerOps(False)
         self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is not None:
-            x = x + residual
-            residual = x
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = y.to(x.dtype) * self.weight
-        return y if residual is None else (y, residual)
+        if residual is None:
+            return self.ops.rmsnorm(x, self.weight, self.eps)
+        return self.ops.add_rmsnorm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -113,26 +111,28 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (HF Llama / Qwen2 ``rotate_half``) from a cos/sin cache ``[max_pos, D/2]``."""
 
-    def __init__(self, cfg: ModelConfig, device):
+    def __init__(self, cfg: ModelConfig, device, ops: LayerOps | None = None):
         super().__init__()
+        self.ops = ops or LayerOps(False)
+        self.head_dim = cfg.head_dim
         t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32, device=device)
         freqs = torch.outer(t, rope_inv_freq(cfg).to(device))
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        # FlashInfer's layout: [max_pos, D] fp32, cos first half, sin second half (fused path only)
+        self.cos_sin = torch.cat([self.cos, self.sin], dim=-1) if self.ops.fused else None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # positions [n]; x [n, H, D]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [n, Hq*D], k [n, Hkv*D] (views of the qkv projection) -> ([n, Hq, D], [n, Hkv, D])."""
+        return self.ops.rope(positions, q, k, self.head_dim, self.cos, self.sin, self.cos_sin)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP; column-parallel in, row-parallel out, all-reduce after each."""
 
-    def __init__(self, cfg: ModelConfig, idx: int, tp: TPGroup, seed: int, device, dtype):
+    def __init__(self, cfg: ModelConfig, idx: int, tp: TPGroup, seed: int, device, dtype, ops: LayerOps | None = None):
         super().__init__()
+        self.ops = ops or LayerOps(False)
         H, D, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         self.idx, self.tp = idx, tp
         self.hq, self.hkv, self.d = hq // tp.size, hkv // tp.size, D
@@ -156,8 +156,8 @@ class DecoderLayer(nn.Module):
         gate, up = w("gate", (cfg.intermediate_size, H), H ** -0.5), w("up", (cfg.intermediate_size, H), H ** -0.5)
         self.gate_up_w = p(torch.cat([_shard(gate, 0, tp), _shard(up, 0, tp)]))  # [2*I_local, H]
         self.down_w = p(_shard(w("down", (H, cfg.intermediate_size), cfg.intermediate_size ** -0.5), 1, tp))
-        self.in_norm = RMSNorm(H, cfg.rms_norm_eps, device, dtype)
-        self.post_norm = RMSNorm(H, cfg.rms_norm_eps, device, dtype)
+        self.in_norm = RMSNorm(H, cfg.rms_norm_eps, device, dtype, self.ops)
+        self.post_norm = RMSNorm(H, cfg.rms_norm_eps, device, dtype, self.ops)
 
     def forward(self, positions, h, residual, rope: RotaryEmbedding, attn: Attention):
         # h, residual [n, H]
@@ -168,21 +168,20 @@ class DecoderLayer(nn.Module):
         n = h.shape[0]
         qkv = F.linear(h, self.qkv_w, self.qkv_b)
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q = rope(positions, q.view(n, self.hq, self.d))
-        k = rope(positions, k.view(n, self.hkv, self.d))
-        o = attn(self.idx, q, k, v.reshape(n, self.hkv, self.d))             # [n, hq_local, D]
+        q, k = rope(positions, q, k)                                         # [n, hq_local, D], [n, hkv_local, D]
+        o = attn(self.idx, q.contiguous(), k, v.reshape(n, self.hkv, self.d))  # [n, hq_local, D]
         h = self.tp.all_reduce(F.linear(o.reshape(n, -1), self.o_w))
         h, residual = self.post_norm(h, residual)
-        gate, up = F.linear(h, self.gate_up_w).chunk(2, dim=-1)
-        h = self.tp.all_reduce(F.linear(F.silu(gate) * up, self.down_w))
+        h = self.tp.all_reduce(F.linear(self.ops.silu_mul(F.linear(h, self.gate_up_w)), self.down_w))
         return h, residual
 
 
 class CausalLM(nn.Module):
     """The decoder: vocab-parallel embedding and LM head, ``num_layers`` :class:`DecoderLayer`s."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, device, dtype):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, device, dtype, fused_ops: bool = False):
         super().__init__()
+        self.ops = LayerOps(fused_ops)       # FlashInfer's fused norm / RoPE / SiLU-mul (GPU) or torch
         for key, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
                        ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
             if n % tp.size:
@@ -198,9 +197,10 @@ class CausalLM(nn.Module):
             head = _seeded((cfg.vocab_size, cfg.hidden_size), cfg.hidden_size ** -0.5, seed, "lm_head", device, dtype)
             self.lm_head = nn.Parameter(_shard(head, 0, tp), requires_grad=False)      # [V_local, H]
         del embed
-        self.rope = RotaryEmbedding(cfg, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, seed, device, dtype) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.rope = RotaryEmbedding(cfg, device, self.ops)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, seed, device, dtype, self.ops)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype, self.ops)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         # ids [n] -> [n, H]; each rank holds vocab rows [rank*V_local, (rank+1)*V_local)
