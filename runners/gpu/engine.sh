@@ -31,8 +31,8 @@ GPU_LOG_TAG=engine.sh
 source "$(dirname "$0")/env.sh"
 gpu_env_setup || exit 2
 if [ -z "${GRANIKV_SKIP_GPU_TESTS:-}" ]; then
-log "pytest -m gpu tests/test_engine_gpu.py (limit 150s)"
-PYTHONFAULTHANDLER=1 timeout 150 $PY -m pytest -m gpu tests/test_engine_gpu.py -v -p no:cacheprovider -x 2>&1 | tee "$OUT/engine_gpu_tests.log" | tail -15
+log "pytest -m gpu tests/test_engine_gpu.py (limit 300s: a cold JIT build of the fused layer ops takes minutes)"
+PYTHONFAULTHANDLER=1 timeout 300 $PY -m pytest -m gpu tests/test_engine_gpu.py -v -p no:cacheprovider -x 2>&1 | tee "$OUT/engine_gpu_tests.log" | tail -15
 log "engine gpu tests rc=${PIPESTATUS[0]}"
 else
   log "GPU tests skipped (GRANIKV_SKIP_GPU_TESTS set)"
