@@ -82,3 +82,13 @@ def test_from_hardware():
 
     hw = HardwareConfig(name="h200", device="cuda", dtype="bfloat16", gpu_name=H200, decision_table=TABLE)
     assert Dispatcher.from_hardware(hw, 32, 8, 128).choose(8192, 64) == "dense"
+
+
+def test_choose_many_equals_choose_per_class():
+    table = [{"lp_max": 1024, "choice": "paged"}, {"meff_min": 256, "choice": "dense"}, {"choice": "cascade"}]
+    pairs = [(512, 300), (8192, 64), (8192, 63), (2048, 1), (8192, 64), (16384, 500)]
+    a = Dispatcher(32, 8, 128, "g", table)
+    b = Dispatcher(32, 8, 128, "g", table)
+    assert a.choose_many(pairs) == [b.choose(*p) for p in pairs]
+    assert a.choose_many(pairs) == [b.choose(*p) for p in pairs]      # all cached now
+    assert a.choose_many([]) == []

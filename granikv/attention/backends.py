@@ -308,10 +308,13 @@ class GranikvBackend(PrefixAttentionBackend):
         super().__init__(*args, **kwargs)
 
     def _choose(self, classes, batch_size):
-        for c in classes:
-            # real rows only: CUDA-graph pad rows in the class must not change the decision
-            choice = self.dispatcher.choose(c.prefix_len, c.n_real) if c.n_real else "paged"
+        # real rows only: CUDA-graph pad rows in the class must not change the decision
+        real = [c for c in classes if c.n_real]
+        for c, choice in zip(real, self.dispatcher.choose_many([(c.prefix_len, c.n_real) for c in real])):
             c.choice = "cascade" if (choice == "dense" and c.hot_start < 0) else choice
+        for c in classes:
+            if not c.n_real:
+                c.choice = "paged"
 
 
 BACKEND_CLASSES = {"paged": PagedBackend, "cascade": CascadeBackend, "dense": DenseBackend,
