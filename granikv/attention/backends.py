@@ -50,7 +50,6 @@ class ClassPlan:
     choice: str = "paged"
     meff: int = 0                         # B_class * Hq/Hkv (query rows per kv head)
     n_real: int = 0                       # rows that are requests (not CUDA-graph pad rows): decisions use it
-    rows_t: Optional[torch.Tensor] = None   # int64 [B_class] on the device
     slots: Optional[torch.Tensor] = None    # int64 [Lp] prefix slot ids on the device (view of kv_indices)
 
 
@@ -161,20 +160,24 @@ class PrefixAttentionBackend:
             c.meff = len(c.rows) * self.group
             c.n_real = sum(1 for r in c.rows if r < real)
         self._choose(classes, b)
-        skip = torch.zeros(b, dtype=torch.int64)
-        dev = batch.kv_indptr.device
+        # host lists, one tensor at the end: per-class tensor ops cost ~5 us each (k=64 classes)
+        skip_l = [0] * b
+        ip = indptr_h.tolist()
         for c in classes:
             if c.choice not in CHOICES:
                 raise ValueError(f"{self.name}: unknown prefix path '{c.choice}' for prefix_id={c.prefix_id}")
             if c.choice == "dense" and c.hot_start < 0:
                 raise ValueError(f"{self.name}: prefix_id={c.prefix_id} chose dense but has no HOT run (hot_start=-1)")
             if c.choice == "paged" and c.n_real < len(c.rows):
-                skip[c.rows[c.n_real:]] = c.prefix_len                 # pad rows (last in the class): 1-token rows
+                for r in c.rows[c.n_real:]:                            # pad rows (last in the class): 1-token rows
+                    skip_l[r] = c.prefix_len
             if c.choice != "paged":
-                skip[c.rows] = c.prefix_len
-                c.rows_t = torch.tensor(c.rows, dtype=torch.int64, device=dev)
-                s0 = int(indptr_h[c.rows[0]])
+                for r in c.rows:
+                    skip_l[r] = c.prefix_len
+                s0 = ip[c.rows[0]]
                 c.slots = batch.kv_indices[s0:s0 + c.prefix_len]
+        skip = torch.tensor(skip_l, dtype=torch.int64)
+        dev = batch.kv_indptr.device
         lens = indptr_h[1:] - indptr_h[:-1]
         if bool((lens < skip).any()):
             raise ValueError(f"{self.name}.plan: a request has fewer KV slots than its prefix_len")
@@ -236,10 +239,10 @@ class PrefixAttentionBackend:
                 vp = v_cache[c.hot_start:c.hot_start + c.prefix_len]
             else:                          # cascade / hydragen: read the prefix's slots
                 kp, vp = k_cache[c.slots], v_cache[c.slots]
-            qc = q[c.rows_t]
-            oc, lc = reference.attention_ref(qc, kp, vp, self.sm_scale)
-            om, lm = reference.merge_state(o[c.rows_t], lse[c.rows_t], oc, lc)
-            o[c.rows_t], lse[c.rows_t] = om, lm
+            rows = torch.tensor(c.rows, dtype=torch.int64, device=q.device)
+            oc, lc = reference.attention_ref(q[rows], kp, vp, self.sm_scale)
+            om, lm = reference.merge_state(o[rows], lse[rows], oc, lc)
+            o[rows], lse[rows] = om, lm
         return o
 
 

@@ -94,11 +94,13 @@ class WrapperSet:
         # classes first: their rows are then one contiguous view rows_buf[:n_cascade_rows], the same
         # storage at every plan() (a captured graph keeps reading it; the order is fixed by graph_key())
         split.sort(key=lambda c: c.choice != "cascade")             # stable
+        rows_all = [r for c in split for r in c.rows]
+        if rows_all:                 # ONE host->device copy for every split class's rows
+            self.rows_buf[:len(rows_all)].copy_(torch.tensor(rows_all, dtype=torch.int64))
         self.segments = []           # (choice, rows view, lp, hot_start, slots view)
         off, soff = 0, 0
         for c in split:
             n = len(c.rows)
-            self.rows_buf[off:off + n].copy_(c.rows_t)
             slots = None
             if c.choice == "hydragen":
                 self.slots_buf[soff:soff + c.prefix_len].copy_(c.slots)
