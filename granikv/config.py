@@ -120,6 +120,7 @@ class HardwareConfig:
     peak_tflops: float = 0.0          # measured bf16 dense peak (kernel_bench roofline)
     peak_tbps: float = 0.0            # measured HBM bandwidth
     decision_table: Optional[list[dict[str, Any]]] = None  # fitted by runners.calibrate
+    overlap_schedule: bool = True     # SGLang's default: launch decode step t+1 before reading step t's tokens
     fused_ops: str = "auto"           # RMSNorm/RoPE/SiLU-mul as FlashInfer's fused kernels (SGLang's): auto = on CUDA | on | off
 
     def __post_init__(self):

@@ -299,3 +299,43 @@ def test_tensor_parallel_matches_tp1(world):
         for name in names:
             assert got[rank][name] == want[name], f"tp={world} rank {rank} {name}"
         assert got[rank]["reference"] == want["granikv"][:3]
+
+
+@pytest.mark.parametrize("name", ["sglang_default", "granikv"])
+def test_overlap_schedule_same_tokens_and_steps(name, monkeypatch):
+    """Overlap (launch step t+1 before reading step t's tokens) vs not: identical tokens through
+    arrivals, chunked prefill and evictions (the schedule itself may differ: KV is freed a step
+    later), and the read-back really lags."""
+    from granikv.engine import scheduler as S
+
+    reqs = workload(7, n=12, k=3, out=(1, 12), spread=0.05)
+    out = {}
+    orig_after = S.Scheduler.after_decode
+    for overlap in (False, True):
+        events = []
+
+        def after(self, seqs, toks, now, _o=orig_after):
+            events.append(("read", len(seqs)))
+            return _o(self, seqs, toks, now)
+
+        monkeypatch.setattr(S.Scheduler, "after_decode", after)
+        eng = Engine(make_cfg(name, budget=700, chunk=48, overlap_schedule=overlap))
+        orig_decode = eng.runner.decode
+
+        def decode(seqs, _o=orig_decode):
+            events.append(("launch", len(seqs)))
+            return _o(seqs)
+
+        eng.runner.decode = decode
+        res = eng.run(reqs)
+        check_tokens(res, reqs, reference(eng, reqs, ("overlap", name)))
+        check_no_leak(eng)
+        out[overlap] = ([r.output_ids for r in res.records],
+                        [(s["kind"], s["batch_size"]) for s in res.steps], events)
+    assert out[True][0] == out[False][0]
+    seq_off, seq_on = out[False][2], out[True][2]
+    # without overlap every launch is read back before the next launch; with it, some launch comes
+    # before the previous step's read-back
+    assert all(a[0] == "launch" and b[0] == "read" for a, b in zip(seq_off[::2], seq_off[1::2]))
+    assert any(a[0] == "launch" and b[0] == "launch" for a, b in zip(seq_on, seq_on[1:]))
+    assert sum(e[0] == "launch" for e in seq_on) == sum(e[0] == "read" for e in seq_on)

@@ -154,13 +154,28 @@ class Engine:
         sched.add([Seq(r, i) for i, r in enumerate(requests)])
         steps, t0 = [], time.perf_counter()
         capture0 = self.runner.capture_s
-        while not sched.idle:
+        overlap = self.cfg.hardware.overlap_schedule
+        inflight = None              # (seqs, PendingTokens) of the launched decode step not read back yet
+
+        def read_back():
+            nonlocal inflight
+            seqs, pending = inflight
+            inflight = None
+            toks = pending.get()
+            sched.after_decode(seqs, toks, time.perf_counter() - t0)
+
+        while not sched.idle or inflight is not None:
             now = self._clock(t0, need_sync=bool(sched.pending))
             for s in sched.admit_arrived(now):
                 self.runner.set_row(s)
             chunks = sched.prefill_chunks()
+            if chunks and inflight is not None:
+                read_back()          # a prefill step starts from a drained pipeline
             decode = [] if chunks else sched.decode_seqs()
             if not chunks and not decode:
+                if inflight is not None:
+                    read_back()      # its requests may finish and free KV / rows
+                    continue
                 nxt = sched.next_arrival()
                 if nxt is None or nxt <= now:
                     raise RuntimeError("engine stalled: arrived requests cannot be admitted and nothing runs "
@@ -173,12 +188,16 @@ class Engine:
                     toks = self.runner.prefill(chunks)
                     info = {}
                 else:
-                    toks, info = self.runner.decode(decode)
+                    pending, info = self.runner.decode(decode)
+                    sched.launched_decode(decode)
+                    if inflight is not None:
+                        read_back()  # overlap: step t-1's tokens are read while step t runs on the GPU
+                    inflight = (decode, pending)
+                    if not overlap:
+                        read_back()
             end = time.perf_counter()
             if chunks:
                 sched.after_prefill(chunks, toks, end - t0)
-            else:
-                sched.after_decode(decode, toks, end - t0)
             self.storage.observe()
             rec = self._step_record(len(steps), chunks, decode, info, start - t0, end - start)
             steps.append(rec)

@@ -56,7 +56,28 @@ class LogitProbe:
         if pick:
             got = logits[torch.tensor([i for i, _ in pick], device=logits.device)].float().cpu()
             for j, (_, s) in enumerate(pick):
-                self.kept[(s.req.rid, len(s.output_ids))] = got[j]
+                self.kept[(s.req.rid, s.issued)] = got[j]       # tokens launched before this step
+
+
+class PendingTokens:
+    """A decode step's next tokens: ``[n]`` on the device, copied to pinned host memory in flight.
+
+    ``get()`` waits for that copy only (a CUDA event recorded after it), not for work queued later
+    on the stream, so the overlap schedule can launch step t+1 before reading step t's tokens."""
+
+    def __init__(self, toks: torch.Tensor):
+        if toks.is_cuda:
+            self.host = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True)
+            self.host.copy_(toks, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.event = toks, None
+
+    def get(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
 
 
 class _WriteThen:
@@ -96,6 +117,9 @@ class ModelRunner:
         self.eager_reasons: dict[str, int] = {}
         self.logit_probe: LogitProbe | None = None  # set by benchmarks to keep some decode logits
         n = max(self.sizes, default=1)
+        # latest token per table row (decode input ids are gathered from it on the device, so a step
+        # can be launched before the previous step's tokens reach the host); pad rows stay 0
+        self.last_tok = torch.zeros(max_rows + 2, dtype=torch.int64, device=self.device)
         self.ids_buf = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.pos_buf = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.slot_buf = torch.zeros(n, dtype=torch.int64, device=self.device)
@@ -103,6 +127,7 @@ class ModelRunner:
 
     def reset(self) -> None:
         self.table[self.pad_row, 0] = self.storage.pad_slot
+        self.last_tok.zero_()
         self._pad_class = None
 
     def resize(self, max_len: int) -> None:
@@ -141,8 +166,9 @@ class ModelRunner:
         out: list[int | None] = [None] * len(chunks)
         if last:
             rows = torch.tensor([qo[i + 1] - 1 for i in last], device=dev)
-            toks = self.model.logits(h[rows]).argmax(-1).tolist()
-            for i, t in zip(last, toks):
+            toks_d = self.model.logits(h[rows]).argmax(-1)
+            self.last_tok[torch.tensor([chunks[i].seq.row for i in last], device=dev)] = toks_d
+            for i, t in zip(last, toks_d.tolist()):
                 out[i] = t
         return out
 
@@ -150,9 +176,8 @@ class ModelRunner:
     def _decode_batch(self, seqs: list[Seq], bs: int) -> tuple[DecodeBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
         """DecodeBatch of ``bs`` rows (pad rows after the real ones), with ids, positions and table rows [bs]."""
         dev, npad = self.device, bs - len(seqs)
-        pos = [s.prompt_len + len(s.output_ids) - 1 for s in seqs]
+        pos = [s.prompt_len + s.issued - 1 for s in seqs]          # the last launched token's position
         rows = [s.row for s in seqs]
-        ids = [s.output_ids[-1] for s in seqs] + [0] * npad
         lp, pid, hs = [s.req.shared_len for s in seqs], [s.prefix_id for s in seqs], [s.hot_start for s in seqs]
         s0 = seqs[0]
         if npad and self.pad_into_class and s0.prefix_id >= 0 and all(p == s0.prefix_id for p in pid):
@@ -171,9 +196,10 @@ class ModelRunner:
             lp, pid, hs = lp + [0] * npad, pid + [-1] * npad, hs + [-1] * npad
         lens = [p + 1 for p in pos]
         indptr = list(itertools.accumulate(lens, initial=0))
-        # one host->device copy: [lens (bs) | indptr (bs+1) | rows (bs) | ids (bs) | pos (bs)]
-        packed = torch.tensor(lens + indptr + rows + ids + pos, dtype=torch.int64).to(dev, non_blocking=True)
-        lens_d, indptr_d, rows_d, ids_d, pos_d = packed.split([bs, bs + 1, bs, bs, bs])
+        # one host->device copy: [lens (bs) | indptr (bs+1) | rows (bs) | pos (bs)]
+        packed = torch.tensor(lens + indptr + rows + pos, dtype=torch.int64).to(dev, non_blocking=True)
+        lens_d, indptr_d, rows_d, pos_d = packed.split([bs, bs + 1, bs, bs])
+        ids_d = self.last_tok[rows_d]                               # [bs] input ids (pad rows: 0)
         nnz = indptr[-1]
         r = torch.repeat_interleave(rows_d, lens_d, output_size=nnz)
         col = torch.arange(nnz, device=dev) - torch.repeat_interleave(indptr_d[:-1], lens_d, output_size=nnz)
@@ -183,8 +209,9 @@ class ModelRunner:
         return batch, ids_d, pos_d, rows_d
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Seq]) -> tuple[list[int], dict]:
-        """One token for each seq; returns (tokens, info: padded size, graph used, eager reason)."""
+    def decode(self, seqs: list[Seq]) -> tuple[PendingTokens, dict]:
+        """Launch one token for each seq; returns (its tokens, in flight to the host; info: padded
+        size, graph used, eager reason). The tokens also go to ``last_tok`` on the device."""
         n = len(seqs)
         i = bisect.bisect_left(self.sizes, n)
         bs = self.sizes[i] if self.pad and i < len(self.sizes) else n
@@ -213,7 +240,9 @@ class ModelRunner:
             logits = self.model.logits(h)
         if self.logit_probe is not None:
             self.logit_probe.keep(seqs, logits[:n])
-        return logits[:n].argmax(-1).tolist(), info
+        toks = logits[:n].argmax(-1)
+        self.last_tok[rows[:n]] = toks
+        return PendingTokens(toks), info
 
     def _replay(self, bs: int, ids, pos, slots) -> torch.Tensor:
         self.ids_buf[:bs].copy_(ids)

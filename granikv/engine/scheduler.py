@@ -45,8 +45,9 @@ class Seq:
     hot_start: int = -1
     row: int = -1
     waits_on: list["Seq"] = field(default_factory=list)
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)     # tokens the host has read back
     token_times: list[float] = field(default_factory=list)
+    issued: int = 0                  # tokens launched (>= len(output_ids): the overlap schedule reads them a step late)
 
     @property
     def prompt_len(self) -> int:
@@ -243,7 +244,9 @@ class Scheduler:
         return chunks
 
     def decode_seqs(self) -> list[Seq]:
-        return [s for s in self.active if s.prefill_done and not s.finished]
+        """Requests to decode next: prefill done and fewer tokens launched than their output length
+        (lengths are fixed by the workload, no EOS, so this needs no token read back)."""
+        return [s for s in self.active if s.prefill_done and s.issued < s.req.output_len]
 
     # ------------------------------------------------------------------ results
     def after_prefill(self, chunks: list[PrefillChunk], tokens: list[int | None], now: float) -> None:
@@ -252,8 +255,14 @@ class Scheduler:
             if tok is not None:  # the chunk that completes the prompt yields the first token
                 c.seq.output_ids.append(tok)
                 c.seq.token_times.append(now)
+                c.seq.issued = 1
         self.writers = [w for w in self.writers if w.computed < w.req.shared_len]
         self._retire()
+
+    def launched_decode(self, seqs: list[Seq]) -> None:
+        """A decode step for ``seqs`` was launched (its tokens arrive with ``after_decode``)."""
+        for s in seqs:
+            s.issued += 1
 
     def after_decode(self, seqs: list[Seq], tokens: list[int], now: float) -> None:
         for s, tok in zip(seqs, tokens):
