@@ -261,7 +261,7 @@ class Engine:
             "eager_decode_reasons": dict(self.runner.eager_reasons),
             "num_steps": len(steps), "num_decode_steps": sum(s["kind"] == "decode" for s in steps),
             "tp": self.tp.size, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
-            "fused_ops": self.fused_ops,
+            "fused_ops": self.fused_ops, "overlap_schedule": bool(self.cfg.hardware.overlap_schedule),
         }
 
     # ------------------------------------------------------------------ oracle
