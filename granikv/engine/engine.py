@@ -9,6 +9,12 @@
 Requests arrive at ``arrival_s`` after the start of ``run()`` (real wall clock; the loop sleeps
 when idle). Under tensor parallelism every rank runs the same loop; rank 0's clock is broadcast
 whenever an admission decision depends on it, so all ranks take identical steps.
+
+Overlap schedule (``hardware.overlap_schedule``, SGLang's default): decode step t+1 is launched
+before step t's tokens are read back, so the host's scheduling and planning of t+1 run while the
+GPU computes t. Nothing the host decides needs the token values (output lengths are fixed by the
+workload; input ids are gathered on the device); a token's time is when the host reads it, as a
+streaming server would send it. A prefill step first reads back the step in flight.
 """
 from __future__ import annotations
 

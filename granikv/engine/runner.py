@@ -120,6 +120,7 @@ class ModelRunner:
         # latest token per table row (decode input ids are gathered from it on the device, so a step
         # can be launched before the previous step's tokens reach the host); pad rows stay 0
         self.last_tok = torch.zeros(max_rows + 2, dtype=torch.int64, device=self.device)
+        self._plan_copied = None          # CUDA event after the last decode plan's host->device copies
         self.ids_buf = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.pos_buf = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.slot_buf = torch.zeros(n, dtype=torch.int64, device=self.device)
@@ -226,7 +227,14 @@ class ModelRunner:
             reason = f"backend_{getattr(self.backend, 'name', '?')}_not_graph_safe"
         # graph=False: no graph of this step will be replayed -> the backend's one eager wrapper set
         # (a padded CPU run plans exactly as the GPU run would: graph=True where it would replay)
+        if self._plan_copied is not None:
+            # overlap schedule: FlashInfer's plan() refills pinned host buffers and copies them to the
+            # device asynchronously; the previous step's copies must have run before they are overwritten
+            self._plan_copied.synchronize()
         self.backend.plan(batch, graph=bool(self.pad and self.sizes) and reason is None)
+        if self.device.type == "cuda":
+            self._plan_copied = torch.cuda.Event()
+            self._plan_copied.record()
         if not self.use_graphs:
             reason = None
         if self.use_graphs and reason is None:
