@@ -146,7 +146,7 @@ class RunConfig:
     seed: int = 0
     tp: int = 1
     rep: int = 0                      # repetition index (part of the cell id)
-    warmup_requests: int = 0          # requests served first and excluded from metrics
+    warmup_requests: int = 0          # n: a warm-up pass of the first n requests, outputs n+1..2 (engine.warmup_requests), excluded from metrics
     force: bool = False               # rerun a cell whose metrics.json exists
     profile_steps: int = 0            # >0: torch.profiler trace of that many decode steps
     nvml: bool = True                 # sample NVML at ~10 Hz when a GPU is present

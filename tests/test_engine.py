@@ -339,3 +339,18 @@ def test_overlap_schedule_same_tokens_and_steps(name, monkeypatch):
     assert all(a[0] == "launch" and b[0] == "read" for a, b in zip(seq_off[::2], seq_off[1::2]))
     assert any(a[0] == "launch" and b[0] == "launch" for a, b in zip(seq_on, seq_on[1:]))
     assert sum(e[0] == "launch" for e in seq_on) == sum(e[0] == "read" for e in seq_on)
+
+
+def test_warmup_pass_walks_every_batch_size():
+    """The warm-up serves the first n requests with output lengths n+1..2: decode batches n, n-1, ..., 1."""
+    from granikv.engine.engine import warmup_requests
+
+    reqs = workload(5, n=9, k=2, no_prefix=1, out=(1, 4))
+    w = warmup_requests(reqs, 6)
+    assert [r.output_len for r in w] == [7, 6, 5, 4, 3, 2] and all(r.arrival_s == 0.0 for r in w)
+    assert [r.prompt_ids for r in w] == [r.prompt_ids for r in reqs[:6]]
+    assert [r.output_len for r in warmup_requests(reqs, 6, max_len=len(reqs[0].prompt_ids) + 2)][0] == 2
+    eng = Engine(make_cfg("granikv"))
+    res = eng._serve(w, None)
+    dec = [s["batch_size"] for s in res.steps if s["kind"] == "decode"]
+    assert dec == [6, 5, 4, 3, 2, 1]
