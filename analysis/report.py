@@ -29,6 +29,28 @@ def hardware_summary(res: Results) -> list[str]:
     return out
 
 
+def code_versions(res: Results) -> list[str]:
+    """One line per sweep folder: the git commits (and dirty flags) its finished cells were measured at.
+    A sweep measured at more than one commit is flagged: its rows mix code versions."""
+    frames = [f for f in (res.cells, res.kernels.drop_duplicates("path") if not res.kernels.empty else res.kernels)
+              if not f.empty and "provenance.git_commit" in f.columns]
+    if not frames:
+        return []
+    cols = ["path", "sweep", "provenance.git_commit", "provenance.git_dirty"]
+    d = pd.concat([f[[c for c in cols if c in f.columns]] for f in frames]).drop_duplicates("path")
+    if "provenance.git_dirty" not in d.columns:
+        d["provenance.git_dirty"] = None
+    out = []
+    for sweep, g in d.groupby("sweep", sort=True):
+        vers = []
+        for (c, dirty), h in g.groupby(["provenance.git_commit", "provenance.git_dirty"], dropna=False, sort=True):
+            tag = str(c)[:7] + (" (dirty)" if dirty is True or str(dirty).lower() == "true" else "")
+            vers.append(f"{tag}: {len(h)}")
+        flag = " **(mixed code versions)**" if g["provenance.git_commit"].nunique(dropna=False) > 1 else ""
+        out.append(f"| {sweep or '(root)'} | {len(g)} | {'; '.join(vers)}{flag} |")
+    return out
+
+
 def roofline_line(res: Results, claim: pd.Series, cache: dict) -> str:
     """One line of reasoning from our kernel numbers: layout speed-up s, bound classes, Amdahl bound."""
     if "s" not in cache:
@@ -110,6 +132,14 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
         for _, f in res.failures.iterrows():
             err = str(f["error"]).splitlines()[0][:160].replace("|", "/") if str(f["error"]) else ""
             L.append(f"| {f['sweep']} | {f['cell_id']} | {f['state']} | {err} |")
+    cv = code_versions(res)
+    if cv:
+        L += ["", "## Code versions behind the numbers", "",
+              "Git commit of each finished cell (from its provenance), by sweep folder.", "",
+              "| sweep | cells | commit: cells |", "|---|---|---|"] + cv
+        if (Path(res.root) / "PROVENANCE_ERRATA.md").exists():
+            L += ["", "Known provenance errors, with the evidence: "
+                      f"`{shown_root / 'PROVENANCE_ERRATA.md'}`."]
     L += ["", "## Tables and figures", ""]
     L += [f"- tables/{t}.csv, tables/{t}.md" for t in tables]
     L += [f"- figures/{f}.png, figures/{f}.pdf" for f in figures]

@@ -166,17 +166,26 @@ def provenance() -> dict:
             driver = driver.decode() if isinstance(driver, bytes) else driver
         except Exception:  # noqa: BLE001
             driver = None
-    # On a host where .git does not travel (the GPU host), the launcher passes the commit in.
+    # The launcher's word wins: on the GPU host the repository travels as a copy whose .git (when
+    # there is one) can be a stale snapshot: on 2026-11-30 it said c836507 "dirty" for a tree that was
+    # aa3522a. runners/gpu/*.sh pass GRANIKV_GIT_COMMIT / GRANIKV_GIT_DIRTY from the launching checkout.
+    env_commit = os.environ.get("GRANIKV_GIT_COMMIT", "")
     head = _git("rev-parse", "HEAD")
-    commit = head or os.environ.get("GRANIKV_GIT_COMMIT", "")
-    # untracked files count (a new, uncommitted module may have been imported); results/ does not
-    # (a sweep writes new cells there while it runs)
-    dirty = bool(_git("status", "--porcelain", "--", ".", ":(exclude)results")) if head \
-        else os.environ.get("GRANIKV_GIT_DIRTY", "unknown")
+    if env_commit and env_commit != "unknown":
+        commit, source = env_commit, "GRANIKV_GIT_COMMIT"
+        dirty = os.environ.get("GRANIKV_GIT_DIRTY", "unknown")
+        dirty = {"true": True, "false": False}.get(str(dirty).lower(), dirty)
+    else:
+        commit, source = head, "git" if head else "none"
+        # untracked files count (a new, uncommitted module may have been imported); results/ does not
+        # (a sweep writes new cells there while it runs)
+        dirty = bool(_git("status", "--porcelain", "--", ".", ":(exclude)results")) if head else "unknown"
     return {
         "schema_version": SCHEMA_VERSION,
         "git_commit": commit or "unknown",
         "git_dirty": dirty,
+        "git_commit_source": source,
+        "git_head_seen": head or None,
         "hostname": socket.gethostname(),
         "gpu_name": gpu_name,
         "gpu_count": gpu_count,

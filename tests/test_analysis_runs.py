@@ -225,3 +225,18 @@ def test_report_reasoning_uses_only_what_was_measured(res):
     line = roofline_line(res, claim, {})
     # the CPU kernel bench has no paged_unique_prefill variant (GPU only): no invented speed-up
     assert "without the layout comparison" in line and "s=" not in line
+
+
+def test_report_lists_code_versions_per_sweep(res):
+    from analysis.report import code_versions
+    lines = code_versions(res)
+    sweeps = sorted(set(res.cells["sweep"]))
+    assert len(lines) == len(set(sweeps) | set(res.kernels["sweep"]) if not res.kernels.empty else sweeps)
+    commits = set(res.cells["provenance.git_commit"].astype(str).str[:7])
+    assert all(any(c in line for c in commits) for line in lines if not line.startswith("| kernel"))
+    mixed = res.cells.copy()
+    mixed.loc[mixed.index[0], "provenance.git_commit"] = "f" * 40      # one cell from another commit
+    sw = mixed.loc[mixed.index[0], "sweep"]
+    line = next(x for x in code_versions(type(res)(root=res.root, cells=mixed, failures=res.failures,
+                                                      kernels=res.kernels)) if x.startswith(f"| {sw} "))
+    assert "mixed code versions" in line and "fffffff" in line and line.count(": 1") >= 1

@@ -53,3 +53,14 @@ def test_compress_cell_is_lossless_and_cli(tmp_path):
     for name, raw in orig.items():
         assert gzip.decompress((cell / (name + ".gz")).read_bytes()) == raw
     assert rawio.read_jsonl(cell / "requests.jsonl") == ROWS
+
+
+def test_provenance_takes_the_launchers_commit(monkeypatch):
+    """On the GPU host the tree's .git may be stale: GRANIKV_GIT_COMMIT / _DIRTY win over git."""
+    monkeypatch.setenv("GRANIKV_GIT_COMMIT", "a" * 40)
+    monkeypatch.setenv("GRANIKV_GIT_DIRTY", "false")
+    p = rawio.provenance()
+    assert p["git_commit"] == "a" * 40 and p["git_dirty"] is False and p["git_commit_source"] == "GRANIKV_GIT_COMMIT"
+    monkeypatch.delenv("GRANIKV_GIT_COMMIT")
+    p = rawio.provenance()
+    assert p["git_commit_source"] in ("git", "none") and p["git_commit"] == (p["git_head_seen"] or "unknown")

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Print the provenance exports for a GPU-host command, from THIS checkout (run it here, not there):
+#   run(command="$(bash runners/gpu/provenance_env.sh); bash runners/gpu/sweep.sh headline", ...)
+# The GPU host gets a copy of the working tree whose .git, if any, may be stale; granikv.rawio's
+# provenance() takes these variables over git when they are set.
+cd "$(dirname "$0")/../.." || exit 2
+C=$(git rev-parse HEAD) || exit 2
+if [ -z "$(git status --porcelain -- . ':(exclude)results')" ]; then D=false; else D=true; fi
+echo "export GRANIKV_GIT_COMMIT=$C GRANIKV_GIT_DIRTY=$D"
