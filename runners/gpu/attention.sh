@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Attention work on the H200 host, ONE call of the device `run` (<= 10 min), resumable across calls.
 #
-#   run(command="GRANIKV_GIT_COMMIT=<sha> bash runners/gpu/attention.sh", timeout_s=600,
+#   run(command="<export line from runners/gpu/provenance_env.sh, run here>; bash runners/gpu/attention.sh", timeout_s=600,
 #       carry=[".gpu_site", ".whl", ".fi_cache"])
 # Between calls (here): `tar -xzf <files_at>/attn_results.tar.gz` in the repo root (restores
 # results/raw/{kernel,calibration,attention_gpu} and conf/hardware/h200.yaml, which then travel as

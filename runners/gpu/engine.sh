@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Engine measurement on the H200 host, ONE call of the device `run` (< 9 min including FlashInfer JIT).
 #
-#   run(command="GRANIKV_GIT_COMMIT=<sha> bash runners/gpu/engine.sh", timeout_s=600,
+#   run(command="<export line from runners/gpu/provenance_env.sh, run here>; bash runners/gpu/engine.sh", timeout_s=600,
 #       carry=[".gpu_site", ".whl", ".fi_cache"])
 #
 # Llama-3.1-8B shape (random bf16 weights), synthetic burst: one 8K-token shared prefix, B=256

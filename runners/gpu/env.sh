@@ -20,6 +20,10 @@ log() { echo "[$GPU_LOG_TAG +$(( $(date +%s) - T0 ))s] $*"; }
 
 export GRANIKV_GIT_COMMIT=${GRANIKV_GIT_COMMIT:-unknown}
 export GRANIKV_GIT_DIRTY=${GRANIKV_GIT_DIRTY:-unknown}
+if [ "$GRANIKV_GIT_COMMIT" = unknown ]; then
+  echo "[$GPU_LOG_TAG] WARNING: GRANIKV_GIT_COMMIT not set: results will name whatever commit this copy's .git reports" \
+       "(possibly stale); prepend the line printed by runners/gpu/provenance_env.sh"
+fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export MAX_JOBS=${MAX_JOBS:-16} FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
 export FLASHINFER_WORKSPACE_BASE=$ROOT/.fi_cache

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Print the provenance exports for a GPU-host command, from THIS checkout (run it here, not there):
-#   run(command="$(bash runners/gpu/provenance_env.sh); bash runners/gpu/sweep.sh headline", ...)
+# Print the provenance exports for a GPU-host command, from THIS checkout. Run it here and paste its
+# output at the start of the device command (the command string is executed there, not here):
+#   $ bash runners/gpu/provenance_env.sh
+#   export GRANIKV_GIT_COMMIT=<sha> GRANIKV_GIT_DIRTY=false
+#   run(command="export GRANIKV_GIT_COMMIT=<sha> GRANIKV_GIT_DIRTY=false; bash runners/gpu/sweep.sh headline", ...)
 # The GPU host gets a copy of the working tree whose .git, if any, may be stale; granikv.rawio's
 # provenance() takes these variables over git when they are set.
 cd "$(dirname "$0")/../.." || exit 2

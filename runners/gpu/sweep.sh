@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round of the measurement campaign on the GPU host: ONE device `run` (<= 10 min), resumable.
 #
-#   run(command="GRANIKV_GIT_COMMIT=<sha> bash runners/gpu/sweep.sh synthetic_grid [more presets] -- [overrides]",
+#   run(command="<export line from runners/gpu/provenance_env.sh, run here>; bash runners/gpu/sweep.sh synthetic_grid [more presets] -- [overrides]",
 #       timeout_s=600, carry=[".gpu_site", ".whl", ".fi_cache"])
 #   (2 GPUs: GRANIKV_TP=2 ... sweep.sh headline_qwen25_14b, on the nvidia-h200-x2 kind)
 #
