@@ -179,6 +179,7 @@ def test_padded_batches_and_step_records():
         assert s["decisions"] and sum(s["meff"].values()) == 4 * sum(
             d["batch"] for d in s["decisions"] if d["prefix_id"] >= 0)
         assert sum(d["batch"] for d in s["decisions"]) == s["batch_size"]  # pad rows are not counted
+        assert 0 < s["dispatch_us"] < s["plan_us"]                         # host CPU, the dispatcher inside plan()
     json.dumps(res.steps)
     assert [s["step"] for s in res.steps] == list(range(len(res.steps)))
 

@@ -28,6 +28,7 @@ planned with ``graph=False`` (run eagerly by the caller) uses the one eager wrap
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -116,6 +117,7 @@ class PrefixAttentionBackend:
             raise ValueError(f"{self.name}: dense_kv_splits must be >= 1 or None (auto), got {dense_kv_splits}")
         self.dense_kv_splits = None if dense_kv_splits is None else int(dense_kv_splits)
         self.last_decisions: list[dict] = []
+        self.last_choose_us = 0.0
         self._plan: Optional[StepPlan] = None
         # impl: "torch" (reference math) or "flashinfer"; default by device
         self.impl = impl or ("flashinfer" if self.device.type == "cuda" else "torch")
@@ -159,7 +161,9 @@ class PrefixAttentionBackend:
         for c in classes:
             c.meff = len(c.rows) * self.group
             c.n_real = sum(1 for r in c.rows if r < real)
+        t_choose = time.perf_counter()
         self._choose(classes, b)
+        self.last_choose_us = (time.perf_counter() - t_choose) * 1e6   # the dispatcher's CPU time this step
         # host lists, one tensor at the end: per-class tensor ops cost ~5 us each (k=64 classes)
         skip_l = [0] * b
         ip = indptr_h.tolist()

@@ -254,6 +254,8 @@ class Engine:
                 "decisions": decisions,
                 "padded_bs": info.get("padded_bs", len(decode)), "cuda_graph": info.get("graph", False),
                 **({"eager_reason": info["eager_reason"]} if "eager_reason" in info else {}),
+                # host CPU of this step's backend plan() and, inside it, of the dispatcher's choices
+                "plan_us": info.get("plan_us"), "dispatch_us": info.get("dispatch_us"),
                 "t_start_s": start_s, "step_time_s": dt}
 
     def _record(self, s: Seq) -> RequestRecord:

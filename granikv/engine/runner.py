@@ -231,7 +231,10 @@ class ModelRunner:
             # overlap schedule: FlashInfer's plan() refills pinned host buffers and copies them to the
             # device asynchronously; the previous step's copies must have run before they are overwritten
             self._plan_copied.synchronize()
+        t_plan = time.perf_counter()
         self.backend.plan(batch, graph=bool(self.pad and self.sizes) and reason is None)
+        info["plan_us"] = (time.perf_counter() - t_plan) * 1e6
+        info["dispatch_us"] = getattr(self.backend, "last_choose_us", 0.0)
         if self.device.type == "cuda":
             self._plan_copied = torch.cuda.Event()
             self._plan_copied.record()
