@@ -12,6 +12,8 @@ Shapes: x, residual [n, H]; q [n, Hq*D], k [n, Hkv*D] (views of the qkv projecti
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -45,6 +47,10 @@ class LayerOps:
         self.fused = fused
         self._fi = None
         if fused:
+            # FlashInfer 0.7.2 runs its norms as CuTe-DSL kernels when nvidia-cutlass-dsl is installed;
+            # the CUDA kernels (the ones sgl-kernel ports) are the SGLang-faithful choice. Read when
+            # flashinfer.norm is first imported (runners/gpu/env.sh exports it for every GPU run).
+            os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
             import flashinfer  # type: ignore
             import flashinfer.rope  # type: ignore  # noqa: F401  (apply_rope_with_cos_sin_cache_inplace)
 

@@ -26,6 +26,7 @@ if [ "$GRANIKV_GIT_COMMIT" = unknown ]; then
 fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export MAX_JOBS=${MAX_JOBS:-16} FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
+export FLASHINFER_USE_CUDA_NORM=1   # FlashInfer's CUDA norm kernels (sgl-kernel's), not its CuTe-DSL ones
 export FLASHINFER_WORKSPACE_BASE=$ROOT/.fi_cache
 SITE=$ROOT/.gpu_site/site
 PY=${PYTHON:-python3}
