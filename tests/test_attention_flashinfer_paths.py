@@ -287,3 +287,13 @@ def test_dense_kv_splits_setting_is_used_and_checked():
     assert be._gpu.current.kv_splits(5, 64) == 4 and be._gpu.current.kv_splits(5, 30) == 1
     with pytest.raises(ValueError, match="dense_kv_splits"):
         _make("dense", 8, 2, 8, False, 0)
+
+
+def test_host_copies_on_cpu():
+    from granikv.attention.batch import copy_from_host, to_device
+
+    t = torch.arange(5)
+    assert torch.equal(to_device(t, "cpu"), t)
+    dst = torch.zeros(7, dtype=torch.int64)
+    copy_from_host(dst[:5], t)
+    assert dst.tolist() == [0, 1, 2, 3, 4, 0, 0]

@@ -172,3 +172,28 @@ def test_dense_kv_split_matches_reference(shape, splits):
     ro, rl = R.attention_ref(q.float(), k.float(), v.float(), d ** -0.5)
     assert rel_err(o.float(), ro) <= 2e-2
     assert torch.allclose(lse, rl, atol=2e-2, rtol=1e-3)
+
+
+@needs_fi
+@pytest.mark.parametrize("name", ["paged", "cascade", "dense", "hydragen", "granikv"])
+def test_plan_does_not_wait_for_the_gpu(name):
+    """plan() while a long kernel runs returns before it ends: no stream sync on the host (the
+    engine's overlap schedule plans step t+1 while step t runs)."""
+    import dataclasses
+    import time
+
+    hq, hkv, d = 32, 8, 128
+    k, v, batch = make_step(5, hkv, d, [2000], [64], [True], dtype=torch.bfloat16, device="cuda")
+    batch = dataclasses.replace(batch, kv_indptr_host=batch.kv_indptr.cpu())
+    be = _backend(name, hq, hkv, d, cuda_graph=True)
+    be.plan(batch)                      # builds the wrapper set
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)    # ~1 s of GPU time on the stream
+    busy = torch.cuda.Event()
+    busy.record()
+    t0 = time.perf_counter()
+    be.plan(batch)
+    dt = time.perf_counter() - t0
+    still_busy = not busy.query()
+    torch.cuda.synchronize()
+    assert still_busy and dt < 0.5, f"{name}: plan() took {dt:.3f} s and the sleep kernel had ended: it waited"

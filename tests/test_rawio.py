@@ -64,3 +64,4 @@ def test_provenance_takes_the_launchers_commit(monkeypatch):
     monkeypatch.delenv("GRANIKV_GIT_COMMIT")
     p = rawio.provenance()
     assert p["git_commit_source"] in ("git", "none") and p["git_commit"] == (p["git_head_seen"] or "unknown")
+

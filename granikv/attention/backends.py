@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 from granikv.attention import reference
-from granikv.attention.batch import DecodeBatch
+from granikv.attention.batch import DecodeBatch, to_device
 
 CHOICES = ("paged", "cascade", "dense", "hydragen")
 
@@ -193,10 +193,12 @@ class PrefixAttentionBackend:
             rest_indptr_h = torch.zeros(b + 1, dtype=torch.int64)
             torch.cumsum(rest_lens, 0, out=rest_indptr_h[1:])
             nnz = int(rest_indptr_h[-1])
-            shift = (indptr_h[:-1] + skip - rest_indptr_h[:-1]).to(dev)     # [B] start offset per request
-            pos = torch.repeat_interleave(shift, rest_lens.to(dev), output_size=nnz) + torch.arange(nnz, device=dev)
+            # one async host->device copy (no stream sync: the overlap schedule plans while a step runs)
+            packed = to_device(torch.cat([indptr_h[:-1] + skip - rest_indptr_h[:-1], rest_lens, rest_indptr_h]), dev)
+            shift, rest_lens_d, rest_indptr_d = packed.split([b, b, b + 1])          # [B], [B], [B+1]
+            pos = torch.repeat_interleave(shift, rest_lens_d, output_size=nnz) + torch.arange(nnz, device=dev)
             rest_indices = batch.kv_indices[pos].int()
-            rest_indptr = rest_indptr_h.to(dev, torch.int32)
+            rest_indptr = rest_indptr_d.int()
         self._plan = StepPlan(b, classes, rest_indptr, rest_indices, rest_indptr_h.int())
         self.last_decisions = [
             {"prefix_id": c.prefix_id, "batch": len(c.rows), "meff": c.meff, "prefix_len": c.prefix_len,

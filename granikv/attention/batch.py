@@ -56,3 +56,21 @@ class PrefixBackend(Protocol):
     def plan(self, batch: DecodeBatch, graph: Optional[bool] = None) -> None: ...
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor: ...
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A small host tensor on ``device`` without blocking the host: on CUDA it is staged in pinned
+    memory and copied asynchronously (a plain ``.to(cuda)`` synchronises the stream, which would
+    make the engine's overlap schedule wait for the step in flight). On CPU: ``.to``."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def copy_from_host(dst: torch.Tensor, host: torch.Tensor) -> None:
+    """``dst.copy_(host)`` without blocking the host on CUDA (pinned staging, async), see ``to_device``."""
+    if dst.is_cuda:
+        dst.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(host)

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from granikv.attention import flashinfer_ops as fo
+from granikv.attention.batch import copy_from_host
 
 
 class WrapperSet:
@@ -96,7 +97,7 @@ class WrapperSet:
         split.sort(key=lambda c: c.choice != "cascade")             # stable
         rows_all = [r for c in split for r in c.rows]
         if rows_all:                 # ONE host->device copy for every split class's rows
-            self.rows_buf[:len(rows_all)].copy_(torch.tensor(rows_all, dtype=torch.int64))
+            copy_from_host(self.rows_buf[:len(rows_all)], torch.tensor(rows_all, dtype=torch.int64))
         self.segments = []           # (choice, rows view, lp, hot_start, slots view)
         off, soff = 0, 0
         for c in split:

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from granikv.attention.batch import DecodeBatch
+from granikv.attention.batch import DecodeBatch, to_device
 from granikv.engine.model import CausalLM
 from granikv.engine.scheduler import PrefillChunk, Seq, Storage
 from granikv.kv import KVCache
@@ -198,7 +198,7 @@ class ModelRunner:
         lens = [p + 1 for p in pos]
         indptr = list(itertools.accumulate(lens, initial=0))
         # one host->device copy: [lens (bs) | indptr (bs+1) | rows (bs) | pos (bs)]
-        packed = torch.tensor(lens + indptr + rows + pos, dtype=torch.int64).to(dev, non_blocking=True)
+        packed = to_device(torch.tensor(lens + indptr + rows + pos, dtype=torch.int64), dev)   # async (pinned)
         lens_d, indptr_d, rows_d, pos_d = packed.split([bs, bs + 1, bs, bs])
         ids_d = self.last_tok[rows_d]                               # [bs] input ids (pad rows: 0)
         nnz = indptr[-1]
