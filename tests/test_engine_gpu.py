@@ -100,3 +100,25 @@ def test_fused_ops_match_torch_math():
     torch.testing.assert_close(f.rmsnorm(x, w, 1e-5), t.rmsnorm(x, w, 1e-5), rtol=2e-2, atol=2e-2)
     gu = torch.randn(64, 2048, device="cuda", generator=g).bfloat16()
     torch.testing.assert_close(f.silu_mul(gu), t.silu_mul(gu), rtol=2e-2, atol=2e-2)
+
+
+@needs_fi
+@pytest.mark.parametrize("system", ["sglang_default", "granikv"])
+def test_decode_launch_does_not_synchronise(system):
+    """With graphs captured, launching a decode step (batch build, plan, replay, token copy) makes no
+    synchronising torch call: the overlap schedule needs the host to run ahead of the GPU."""
+    reqs = _requests()
+    eng = Engine(_cfg(system, True))
+    eng.run(reqs)                                    # captures the graphs this workload needs
+    orig = eng.runner.decode
+
+    def checked(seqs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return orig(seqs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    eng.runner.decode = checked
+    res = eng.run(reqs)
+    assert sum(s["kind"] == "decode" and s["cuda_graph"] for s in res.steps) > 0
