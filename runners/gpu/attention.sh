@@ -11,7 +11,8 @@
 # .gpu_site/site (once per machine), restores the FlashInfer JIT cache from .fi_cache/parts/ if
 # present; (2) `pytest -m gpu tests/test_attention*.py` (skipped once a passing run is recorded);
 # (3) runners.calibrate hardware=h200 -> conf/hardware/h200.yaml `decision_table` (first, so that
-# (4) runners.kernel_bench hardware=h200 dispatches with the fitted table: Llama-3.1-8B 32/8/128 and
+# (4) runners.kernel_bench hardware=h200 dispatches with the fitted table (calibrated shapes: also Qwen2.5-32B@TP4
+# 10/2/128 for the 4-GPU runs): Llama-3.1-8B 32/8/128 and
 # Qwen2.5-14B@TP2 20/4/128, Lp {512,2K,8K,16K} x B {8..512}, storage-layout experiment at B=256
 # (+ ncu)); (5) packs into $OUT:
 #   attn_results.tar.gz        results/raw/{kernel,calibration,attention_gpu} + conf/hardware/h200.yaml
@@ -45,9 +46,10 @@ have_table() {  # the fitted table covers both attention shapes of the grid
 import yaml, sys
 t = (yaml.safe_load(open('conf/hardware/h200.yaml')) or {}).get('decision_table') or []
 shapes = {(r.get('num_q_heads'), r.get('num_kv_heads'), r.get('head_dim')) for r in t}
-sys.exit(0 if {(32, 8, 128), (20, 4, 128)} <= shapes else 1)" 2>/dev/null \
+sys.exit(0 if {(32, 8, 128), (20, 4, 128), (10, 2, 128)} <= shapes else 1)" 2>/dev/null \
   && [ -f results/raw/calibration/fit-llama3_8b/metrics.json ] \
-  && [ -f results/raw/calibration/fit-qwen25_14b_tp2/metrics.json ]   # fitted from the calibration cells present
+  && [ -f results/raw/calibration/fit-qwen25_14b_tp2/metrics.json ] \
+  && [ -f results/raw/calibration/fit-qwen25_32b_tp4/metrics.json ]   # fitted from the calibration cells present
 }
 T=$(left)
 if have_table && [ -z "${GRANIKV_RECALIBRATE:-}" ]; then
