@@ -7,10 +7,12 @@ from granikv.attention.batch import DecodeBatch
 
 
 def make_step(seed: int, hkv: int, d: int, class_lps: list[int], class_sizes: list[int], hot: list[bool],
-              n_noprefix: int = 0, max_suffix: int = 9, dtype=torch.float32, device="cpu"):
+              n_noprefix: int = 0, max_suffix: int = 9, dtype=torch.float32, device="cpu", grouped: bool = False):
     """A random cache [C, Hkv, D] and a DecodeBatch: class c has class_sizes[c] requests sharing a
     class_lps[c]-token prefix, stored as one HOT run (hot[c]) or as scattered slots; every request
-    then has 1..max_suffix own slots (ragged). ``n_noprefix`` requests have no prefix."""
+    then has 1..max_suffix own slots (ragged). ``n_noprefix`` requests have no prefix. Classes are
+    interleaved in the batch, or, ``grouped``, each class's requests are consecutive rows (the
+    order the engine gives backends that split classes)."""
     g = torch.Generator().manual_seed(seed)
     hot_total = sum(lp for lp, h in zip(class_lps, hot) if h) + 7
     n_req = sum(class_sizes) + n_noprefix
@@ -31,6 +33,8 @@ def make_step(seed: int, hkv: int, d: int, class_lps: list[int], class_sizes: li
         reqs += [(c, lp, hs, slots)] * bc
     reqs += [(-1, 0, -1, [])] * n_noprefix
     order = torch.randperm(len(reqs), generator=g).tolist()   # classes interleaved in the batch
+    if grouped:
+        order.sort(key=lambda i: reqs[i][0])
     for i in order:
         pid, lp, hs, slots = reqs[i]
         ns = int(torch.randint(1, max_suffix + 1, (1,), generator=g))

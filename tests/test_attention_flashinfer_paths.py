@@ -31,15 +31,16 @@ def _make(name, hq, hkv, d, graph, splits=None):
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("graph", [False, True])
-@pytest.mark.parametrize("splits", [None, 4])
-def test_flashinfer_path_bookkeeping(name, graph, splits):
+@pytest.mark.parametrize("splits,grouped", [(None, False), (4, False), (None, True)])
+def test_flashinfer_path_bookkeeping(name, graph, splits, grouped):
     hq, hkv, d = 8, 2, 8
     layouts = [([100], [6], [True], 0), ([4, 100, 100, 60], [2, 1, 4, 5], [True, True, True, False], 2),
                ([30, 30], [3, 3], [True, False], 1), ([], [], [], 3), ([50], [2], [True], 0)]
     be = _make(name, hq, hkv, d, graph, splits)
     for seed, (lps, sizes, hot, nopfx) in enumerate(layouts):
         for rep in range(2):          # re-plan the same structure with new data (graph mode reuses buffers)
-            k, v, batch = make_step(seed * 10 + rep, hkv, d, lps, sizes, hot, n_noprefix=nopfx, max_suffix=5)
+            k, v, batch = make_step(seed * 10 + rep, hkv, d, lps, sizes, hot, n_noprefix=nopfx, max_suffix=5,
+                                    grouped=grouped)
             q = torch.randn(batch.batch_size, hq, d)
             be.plan(batch)
             out = be.run(q, k, v)
@@ -297,3 +298,16 @@ def test_host_copies_on_cpu():
     dst = torch.zeros(7, dtype=torch.int64)
     copy_from_host(dst[:5], t)
     assert dst.tolist() == [0, 1, 2, 3, 4, 0, 0]
+
+
+
+def test_grouped_rows_take_the_slice_path():
+    """Consecutive rows of a dense class are read and merged as slices (no gather): the segment says so."""
+    be = _make("dense", 8, 2, 8, False)
+    k, v, batch = make_step(4, 2, 8, [40, 60], [3, 4], [True, True], n_noprefix=2, grouped=True)
+    be.plan(batch)
+    spans = [seg[5] for seg in be._gpu.current.segments]
+    assert spans and all(sp is not None for sp in spans)
+    out = be.run(torch.randn(batch.batch_size, 8, 8), k, v)
+    assert out.shape == (batch.batch_size, 8, 8)
+    assert all(c.row_start >= 0 for c in be._plan.classes)

@@ -355,3 +355,25 @@ def test_warmup_pass_walks_every_batch_size():
     res = eng._serve(w, None)
     dec = [s["batch_size"] for s in res.steps if s["kind"] == "decode"]
     assert dec == [6, 5, 4, 3, 2, 1]
+
+
+def test_class_rows_are_consecutive_for_class_splitting_backends():
+    """granikv / hydragen decode each prefix class as consecutive rows; the SGLang baselines keep the
+    scheduler's order. Tokens are unchanged either way (vs the no-cache reference)."""
+    reqs = workload(11, n=12, k=3, no_prefix=2)
+    for name, grouped in (("granikv", True), ("hydragen", True), ("sglang_default", False)):
+        eng = Engine(make_cfg(name))
+        orders = []
+        orig = eng.runner.decode
+
+        def spy(seqs, _o=orig):
+            orders.append([s.prefix_id for s in seqs])
+            return _o(seqs)
+
+        eng.runner.decode = spy
+        res = eng.run(reqs)
+        check_tokens(res, reqs, reference(eng, reqs, ("grouped", 11)))
+        assert eng.group_rows is grouped
+        if grouped:
+            assert all(o == sorted(o) for o in orders)
+    assert any(o != sorted(o) for o in orders)           # sglang_default: arrival order, classes interleaved

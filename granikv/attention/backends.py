@@ -51,6 +51,7 @@ class ClassPlan:
     choice: str = "paged"
     meff: int = 0                         # B_class * Hq/Hkv (query rows per kv head)
     n_real: int = 0                       # rows that are requests (not CUDA-graph pad rows): decisions use it
+    row_start: int = -1                   # rows == range(row_start, row_start + B_class), else -1 (gathered)
     slots: Optional[torch.Tensor] = None    # int64 [Lp] prefix slot ids on the device (view of kv_indices)
 
 
@@ -161,6 +162,9 @@ class PrefixAttentionBackend:
         for c in classes:
             c.meff = len(c.rows) * self.group
             c.n_real = sum(1 for r in c.rows if r < real)
+            # rows ascend (batch order): contiguous iff they span exactly B_class rows; the FlashInfer
+            # path then reads q / writes o as slices instead of gathering and scattering
+            c.row_start = c.rows[0] if c.rows[-1] - c.rows[0] + 1 == len(c.rows) else -1
         t_choose = time.perf_counter()
         self._choose(classes, b)
         self.last_choose_us = (time.perf_counter() - t_choose) * 1e6   # the dispatcher's CPU time this step
@@ -214,10 +218,12 @@ class PrefixAttentionBackend:
         """Hashable of what a captured CUDA graph of run() depends on (valid after plan()).
 
         Batch size, the rest-decode index capacity bucket (power of two) and, per split-off class,
-        (choice, B_class, Lp, hot_start): the dense path bakes the HOT slab address into the graph.
+        (choice, B_class, Lp, hot_start, row_start): the dense path bakes the HOT slab address and,
+        for a class whose rows are contiguous, their slice into the graph.
         """
         p = self._require_plan()
-        cls = tuple((c.choice, len(c.rows), c.prefix_len, c.hot_start) for c in p.classes if c.choice != "paged")
+        cls = tuple((c.choice, len(c.rows), c.prefix_len, c.hot_start, c.row_start)
+                    for c in p.classes if c.choice != "paged")
         return (self.name, p.batch_size, _pow2(p.rest_indices.numel()), cls)
 
     def _require_plan(self) -> StepPlan:

@@ -98,7 +98,7 @@ class WrapperSet:
         rows_all = [r for c in split for r in c.rows]
         if rows_all:                 # ONE host->device copy for every split class's rows
             copy_from_host(self.rows_buf[:len(rows_all)], torch.tensor(rows_all, dtype=torch.int64))
-        self.segments = []           # (choice, rows view, lp, hot_start, slots view)
+        self.segments = []           # (choice, rows view, lp, hot_start, slots view, (row_start, n) or None)
         off, soff = 0, 0
         for c in split:
             n = len(c.rows)
@@ -107,7 +107,8 @@ class WrapperSet:
                 self.slots_buf[soff:soff + c.prefix_len].copy_(c.slots)
                 slots = self.slots_buf[soff:soff + c.prefix_len]
                 soff += c.prefix_len
-            self.segments.append((c.choice, self.rows_buf[off:off + n], c.prefix_len, c.hot_start, slots))
+            span = (c.row_start, n) if c.row_start >= 0 else None
+            self.segments.append((c.choice, self.rows_buf[off:off + n], c.prefix_len, c.hot_start, slots, span))
             off += n
         # one class holding every request: all B queries attend the same prefix, so the prefix state
         # is computed on q as is and merged in place, no gather / scatter (order-free, graph-safe:
@@ -143,10 +144,20 @@ class WrapperSet:
                 oc, lc = self._prefix_state(seg, q, k_cache, v_cache, gather=False)
             fo.merge_state_in_place(o, lse, oc, lc)
             return o
-        o_pre = torch.zeros_like(o)
-        lse_pre = torch.full_like(lse, -math.inf)
+        # a class with contiguous rows (the engine orders decode rows by class) reads q and merges
+        # into o as slices; the others gather, scatter into one prefix state, and merge once
+        gathered = [s for s in self.segments if s[0] != "cascade" and s[5] is None]
+        o_pre = lse_pre = None
+        if gathered or self.cas_rows is not None:
+            o_pre = torch.zeros_like(o)
+            lse_pre = torch.full_like(lse, -math.inf)
         for seg in self.segments:
             if seg[0] == "cascade":
+                continue
+            if seg[5] is not None:
+                a, n = seg[5]
+                oc, lc = self._prefix_state(seg, q[a:a + n], k_cache, v_cache, gather=False)
+                fo.merge_state_in_place(o[a:a + n], lse[a:a + n], oc, lc)
                 continue
             oc, lc = self._prefix_state(seg, q, k_cache, v_cache)
             o_pre.index_copy_(0, seg[1], oc)
@@ -155,11 +166,12 @@ class WrapperSet:
             oc, lc = self.prefill.run(q.index_select(0, self.cas_rows), kv, return_lse=True)
             o_pre.index_copy_(0, self.cas_rows, oc)
             lse_pre.index_copy_(0, self.cas_rows, lc)
-        fo.merge_state_in_place(o, lse, o_pre, lse_pre)
+        if o_pre is not None:
+            fo.merge_state_in_place(o, lse, o_pre, lse_pre)
         return o
 
     def _prefix_state(self, seg, q, k_cache, v_cache, gather: bool = True):
-        choice, rows, lp, hs, slots = seg
+        choice, rows, lp, hs, slots, _ = seg
         qc = q.index_select(0, rows) if gather else q
         if choice == "dense":
             kp, vp = k_cache[hs:hs + lp], v_cache[hs:hs + lp]        # contiguous HOT slab views

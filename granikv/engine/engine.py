@@ -111,6 +111,10 @@ class Engine:
         self.device = torch.device(hw.device, torch.cuda.current_device()) if hw.device == "cuda" else torch.device("cpu")
         self.dtype = DTYPES[hw.dtype]
         self.fused_ops = resolve_fused(hw.fused_ops, self.device)
+        # backends that split prefix classes off get each class's decode rows consecutive, so their
+        # FlashInfer path slices q / o instead of gathering and scattering per class and layer; the
+        # SGLang baselines keep the scheduler's order (SGLang does not reorder its batch)
+        self.group_rows = cfg.system.backend in ("hydragen", "granikv")
         self.model = CausalLM(m, self.tp, cfg.seed, self.device, self.dtype, fused_ops=self.fused_ops)
         hkv, hq = m.num_kv_heads // cfg.tp, m.num_heads // cfg.tp
         bytes_per_token = 2 * m.num_layers * hkv * m.head_dim * self.model.embed.element_size()
@@ -189,6 +193,8 @@ class Engine:
             if chunks and inflight is not None:
                 read_back()          # a prefill step starts from a drained pipeline
             decode = [] if chunks else sched.decode_seqs()
+            if decode and self.group_rows:   # each prefix class's rows consecutive (stable: FCFS within a class)
+                decode.sort(key=lambda s: s.prefix_id)
             if not chunks and not decode:
                 if inflight is not None:
                     read_back()      # its requests may finish and free KV / rows
