@@ -17,23 +17,20 @@ import os
 import torch
 import torch.nn.functional as F
 
+from granikv.attention import flashinfer_ops as fo
 
-def fused_available(device: torch.device | str) -> bool:
-    """True when ``device`` is CUDA and FlashInfer imports."""
-    if torch.device(device).type != "cuda":
-        return False
-    try:
-        import flashinfer  # type: ignore  # noqa: F401
-    except ImportError:
-        return False
-    return True
+# FlashInfer 0.7.2 runs its norms as CuTe-DSL kernels when nvidia-cutlass-dsl is installed; the CUDA
+# kernels (the ones sgl-kernel ports) are the SGLang-faithful choice. FlashInfer reads this when it
+# is first imported, so it is set here, before this module (or anything it calls) imports it;
+# runners/gpu/env.sh exports it too.
+os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
 
 
 def resolve_fused(setting: str, device: torch.device | str) -> bool:
     """``hardware.fused_ops``: auto (fused where FlashInfer runs: CUDA) | on | off."""
     if setting == "off":
         return False
-    avail = fused_available(device)
+    avail = torch.device(device).type == "cuda" and fo.available()
     if setting == "on" and not avail:
         raise ValueError("config error at `hardware.fused_ops`: 'on' needs CUDA and flashinfer; "
                          "use auto or off on this machine")
@@ -47,10 +44,6 @@ class LayerOps:
         self.fused = fused
         self._fi = None
         if fused:
-            # FlashInfer 0.7.2 runs its norms as CuTe-DSL kernels when nvidia-cutlass-dsl is installed;
-            # the CUDA kernels (the ones sgl-kernel ports) are the SGLang-faithful choice. Read when
-            # flashinfer.norm is first imported (runners/gpu/env.sh exports it for every GPU run).
-            os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
             import flashinfer  # type: ignore
             import flashinfer.rope  # type: ignore  # noqa: F401  (apply_rope_with_cos_sin_cache_inplace)
 
