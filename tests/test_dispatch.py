@@ -92,3 +92,14 @@ def test_choose_many_equals_choose_per_class():
     assert a.choose_many(pairs) == [b.choose(*p) for p in pairs]
     assert a.choose_many(pairs) == [b.choose(*p) for p in pairs]      # all cached now
     assert a.choose_many([]) == []
+
+
+@pytest.mark.parametrize("mode", ["table", "dense_only"])
+def test_a_class_without_requests_is_paged_without_asking_the_table(mode):
+    # only CUDA-graph pad rows: batch_class 0; the table (which starts at Meff 512) is not consulted
+    d = Dispatcher(32, 8, 128, "g", [{"meff_min": 512, "choice": "dense"}], mode=mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert d.choose(8192, 0) == "paged"
+        assert d.choose_many([(8192, 0), (8192, 128)]) == ["paged", "dense"]
+    assert d.fallbacks == 0

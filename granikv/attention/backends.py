@@ -28,6 +28,7 @@ planned with ``graph=False`` (run eagerly by the caller) uses the one eager wrap
 """
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -40,7 +41,7 @@ from granikv.attention.batch import DecodeBatch, to_device
 CHOICES = ("paged", "cascade", "dense", "hydragen")
 
 
-@dataclass
+@dataclass(slots=True)
 class ClassPlan:
     """One prefix class of a step: its rows (request indices), prefix and chosen prefix path."""
 
@@ -307,6 +308,9 @@ class HydragenBackend(PrefixAttentionBackend):
             c.choice = "hydragen"
 
 
+_LP_NREAL = operator.attrgetter("prefix_len", "n_real")
+
+
 class GranikvBackend(PrefixAttentionBackend):
     """GraniKV: per class dense / cascade / paged as the dispatcher says.
 
@@ -323,13 +327,11 @@ class GranikvBackend(PrefixAttentionBackend):
         super().__init__(*args, **kwargs)
 
     def _choose(self, classes, batch_size):
-        # real rows only: CUDA-graph pad rows in the class must not change the decision
-        real = [c for c in classes if c.n_real]
-        for c, choice in zip(real, self.dispatcher.choose_many([(c.prefix_len, c.n_real) for c in real])):
+        # real rows only: CUDA-graph pad rows in the class must not change the decision (a class of
+        # pad rows only is paged: the dispatcher answers batch_class 0 so). This is the per-step cost.
+        choices = self.dispatcher.choose_many(list(map(_LP_NREAL, classes)))   # (Lp, n_real) -> choice; n_real 0 -> paged
+        for c, choice in zip(classes, choices):
             c.choice = "cascade" if (choice == "dense" and c.hot_start < 0) else choice
-        for c in classes:
-            if not c.n_real:
-                c.choice = "paged"
 
 
 BACKEND_CLASSES = {"paged": PagedBackend, "cascade": CascadeBackend, "dense": DenseBackend,
