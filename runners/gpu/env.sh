@@ -45,6 +45,12 @@ gpu_env_setup() {
     [ -n "$WHL" ] || { echo "ERROR: .whl/apache_tvm_ffi-*.whl not carried"; return 2; }
     $PY -m pip install -q --no-deps --target "$SITE" "$WHL" || { echo "ERROR: pip install $WHL failed"; return 2; }
   fi
+  # The JIT cache is reused only when its object files are newer than every input (ninja's rule):
+  # pip stamps the tvm-ffi headers with the install time, which made every module rebuild on each
+  # fresh machine (~4 min, seen 2026-11-30). One fixed old mtime for the installed sources fixes that.
+  if [ ! -f "$SITE/.mtime_fixed" ]; then
+    find "$SITE" -exec touch -h -d '2020-01-01 00:00:00' {} + && touch "$SITE/.mtime_fixed"
+  fi
   if ls "$FLASHINFER_WORKSPACE_BASE"/parts/fi_cache.tar.xz.part-* >/dev/null 2>&1 && [ ! -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then
     cat "$FLASHINFER_WORKSPACE_BASE"/parts/fi_cache.tar.xz.part-* | tar -xJ -C "$FLASHINFER_WORKSPACE_BASE" \
       && log "restored the FlashInfer JIT cache" || log "WARNING: could not restore the JIT cache (cold build)"

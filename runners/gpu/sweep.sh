@@ -9,10 +9,12 @@
 # budget (GRANIKV_BUDGET_S, default 540 s) is spent. Cells already holding metrics.json are skipped
 # (carried back in results/raw), and a cell cut off by the budget leaves no metrics.json, so the
 # next round resumes where this one stopped. Packs into $OUT:
-#   raw.tar.gz.part-*        every cell folder written or changed in this call (<= 14 MB parts)
+#   raw.tar.gz.part-*        every cell folder written or changed in this call (<= 14 MB parts;
+#                            raw2.tar.gz.part-*, ... when sweep.sh runs again in the same call)
 #   sweep.log                the full log
 #   fi_cache.tar.xz.part-*   the FlashInfer JIT cache for the next call (put in .fi_cache/parts/)
-# Here: `cat <files_at>/raw.tar.gz.part-* | tar -xz` in the repo root, then commit results/raw.
+# Here: `for r in <files_at>/raw*.tar.gz.part-aa; do cat ${r%aa}* | tar -xz; done` in the repo root,
+# then commit results/raw.
 set -uo pipefail
 T0=$(date +%s)
 GPU_LOG_TAG=sweep.sh
@@ -52,12 +54,14 @@ done
 CHANGED=$(find results/raw -newer "$MARK" \( -name metrics.json -o -name failure.json \) 2>/dev/null \
           | grep -v '/\.' | sed 's|/[^/]*$||' | sort -u)
 if [ -n "$CHANGED" ]; then
-  tar -czf - $CHANGED | split -b 14m - "$OUT/raw.tar.gz.part-"
+  RAW=raw; N=1                           # a second sweep.sh in the same call packs raw2.tar.gz.part-*, ...
+  while ls "$OUT/$RAW.tar.gz.part-"* >/dev/null 2>&1; do N=$((N + 1)); RAW=raw$N; done
+  tar -czf - $CHANGED | split -b 14m - "$OUT/$RAW.tar.gz.part-"
   log "packed $(echo "$CHANGED" | wc -l) cell folders"
 else
   log "no cell written"
 fi
-pack_fi_cache 3
+[ -n "${GRANIKV_NO_FI_PACK:-}" ] || pack_fi_cache 3   # GRANIKV_NO_FI_PACK=1: a later script in the call packs it
 ls -la "$OUT"
 $PY - <<'PYEOF'
 import json, pathlib
