@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from analysis import headline_steps
 from analysis.amdahl import amdahl, amdahl_frame
 from analysis.claims import NOT_REPRODUCED, REPRODUCED, evaluate, paper_shown
 from analysis.common import NOT_MEASURED, PAPER_HARDWARE, config_label, fmt, select, show, write_table
@@ -83,6 +84,24 @@ def roofline_line(res: Results, claim: pd.Series, cache: dict) -> str:
         "Kernel rows present but without the layout comparison or flops/bytes: no roofline reasoning possible."
 
 
+def steps_line(res: Results, claim: pd.Series, cache: dict) -> str:
+    """Where GraniKV's time goes against sglang_default, per Lp of the claim's configuration, from
+    the headline cells' step traces (tables/headline_steps)."""
+    if "steps" not in cache:
+        cache["steps"] = headline_steps.breakdown(res)
+    t = cache["steps"]
+    label = config_label(claim["model"], int(claim["tp"])) if str(claim["tp"]).isdigit() else ""
+    g = t[(t["config"] == label) & (t["system.name"] == "granikv")] if not t.empty else t
+    g = g.dropna(subset=["decode_full_p50_ms_vs_sglang_default"]) if not g.empty else g
+    if g.empty:
+        return ""
+    parts = [f"Lp={int(r['workload.prefix_len'])}: {r['decode_full_p50_ms_vs_sglang_default']:.2f}x / "
+             f"{r['decode_s_vs_sglang_default']:.2f}x / {r['prefill_s_vs_sglang_default']:.2f}x"
+             for _, r in g.iterrows()]
+    return ("Step breakdown (GraniKV over sglang_default: full-batch decode step p50 / total decode time / "
+            "total prefill time; below 1 = GraniKV spends less): " + "; ".join(parts) + " (tables/headline_steps).")
+
+
 def write_report(res: Results, out: Path, tables: list[str], figures: list[str]) -> pd.DataFrame:
     """Evaluate every claim and write ``out/REPORT.md`` and ``out/tables/claims.{csv,md}``."""
     ev = evaluate(res)
@@ -117,8 +136,9 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
     if diff.empty:
         L.append("No measured claim contradicts the paper.")
     for _, c in diff.iterrows():
+        steps = steps_line(res, c, cache) if "tables/headline" in str(c["source"]) else ""
         L.append(f"- `{c['id']}`: paper {paper_shown(c)} on {PAPER_HARDWARE}, ours {c['ours_shown']} on "
-                 f"{c['our_hardware'] or '?'}. {roofline_line(res, c, cache)}")
+                 f"{c['our_hardware'] or '?'}. {steps + ' ' if steps else ''}{roofline_line(res, c, cache)}")
     nm = ev[ev["verdict"] == NOT_MEASURED]
     L += ["", "## Not measured", ""]
     if nm.empty:

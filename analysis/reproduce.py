@@ -12,11 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-from analysis import (amdahl, dispatch_overhead, dispatch_routing, grid, headline, kernel, limitation, multiprefix,
-                      profiler, sharegpt_matrix)
+from analysis import (amdahl, dispatch_overhead, dispatch_routing, grid, headline, headline_steps, kernel, limitation,
+                      multiprefix, profiler, sharegpt_matrix)
 from analysis.load import load_results
 
-MODULES = (headline, grid, sharegpt_matrix, multiprefix, kernel, amdahl, dispatch_routing, dispatch_overhead,
+MODULES = (headline, headline_steps, grid, sharegpt_matrix, multiprefix, kernel, amdahl, dispatch_routing, dispatch_overhead,
            profiler, limitation)
 
 

@@ -240,3 +240,25 @@ def test_report_lists_code_versions_per_sweep(res):
     line = next(x for x in code_versions(type(res)(root=res.root, cells=mixed, failures=res.failures,
                                                       kernels=res.kernels)) if x.startswith(f"| {sw} "))
     assert "mixed code versions" in line and "fffffff" in line and line.count(": 1") >= 1
+
+
+def test_headline_step_breakdown_on_runner_output(res, raw, monkeypatch):
+    from analysis import headline_steps
+    # the runner's grid (synthetic, B=4) stands in for the headline selection
+    monkeypatch.setattr(headline_steps, "SELECT", {"sweep_name": "=grid", "workload.batch": "=4",
+                                                   "profile_steps": "=0"})
+    t = headline_steps.breakdown(res)
+    assert len(t) == 4 and set(t["system.name"]) == {"granikv", "sglang_default"}
+    for _, r in t.iterrows():
+        cell = res.cells[(res.cells["system.name"] == r["system.name"]) & (res.cells["workload.batch"] == 4)
+                         & (res.cells["workload.prefix_len"] == r["workload.prefix_len"])]
+        s = load_steps(raw / cell["path"].iloc[0])
+        dec = s[s["kind"] == "decode"]
+        assert r["decode_s"] == pytest.approx(dec["step_time_s"].sum())
+        assert r["prefill_s"] == pytest.approx(s.loc[s["kind"] == "prefill", "step_time_s"].sum())
+        assert r["prefill_s"] > 0 and r["decode_s"] > 0
+        full = dec[dec["batch_size"] >= 0.9 * 4]["step_time_s"]
+        assert r["decode_full_p50_ms"] == pytest.approx(full.median() * 1e3)
+        base = t[(t["system.name"] == "sglang_default") & (t["workload.prefix_len"] == r["workload.prefix_len"])].iloc[0]
+        assert r["decode_s_vs_sglang_default"] == pytest.approx(r["decode_s"] / base["decode_s"])
+    assert (t.loc[t["system.name"] == "sglang_default", "prefill_s_vs_sglang_default"] == 1.0).all()

@@ -1,0 +1,83 @@
+"""Step breakdown of the headline cells: where each run's time goes (decode vs prefill steps), and
+the decode step time at full batch, so that a headline ratio can be explained by measurement.
+
+From each headline cell's trace (steps.jsonl, measured steps only; warm-up excluded):
+- ``decode_s`` / ``prefill_s``: summed wall time of decode / prefill steps (``step_time_s``);
+- ``decode_full_p50_ms``: p50 decode step at full batch (``batch_size >= 0.9 * B``), the step
+  the prefix attention backends differ on most;
+- ``decode_batch_mean``: mean decode batch size; ``prefill_steps``: number of prefill steps;
+- ``*_vs_sglang_default``: the same quantity over sglang_default's in the same configuration.
+
+Writes tables/headline_steps.{csv,md}. No figure.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis.common import LPS, PAPER_CONFIG_LABELS, select, sort_rows, system_table, with_derived, write_table
+from analysis.headline import SELECT
+from analysis.load import Results, SchemaError, load_steps
+
+NAME = "headline_steps"
+FIGURES: tuple[str, ...] = ()
+FULL = 0.9          # a decode step is "at full batch" from 90% of the configured batch on
+KEYS = ["config", "workload.prefix_len", "system.name"]
+COLS = ["decode_full_p50_ms", "decode_s", "prefill_s", "prefill_steps", "decode_batch_mean"]
+DIGITS = {"decode_full_p50_ms": 2, "decode_s": 1, "prefill_s": 1, "decode_batch_mean": 1,
+          "decode_full_p50_ms_vs_sglang_default": 2, "decode_s_vs_sglang_default": 2,
+          "prefill_s_vs_sglang_default": 2, "duration_s": 1}
+
+
+def cell_steps(path: str | Path, batch: int) -> dict:
+    """The breakdown of one cell (NaN where its trace has no such steps)."""
+    s = load_steps(path)
+    for col in ("kind", "step_time_s", "batch_size"):
+        if col not in s.columns:
+            raise SchemaError(f"{Path(path) / 'steps.jsonl'}: `{col}` is missing from the step records "
+                              "(rerun the cell with the current engine)")
+    dec, pre = s[s["kind"] == "decode"], s[s["kind"] == "prefill"]
+    full = dec[dec["batch_size"] >= FULL * batch]
+    return {"decode_full_p50_ms": float(full["step_time_s"].median() * 1e3) if len(full) else np.nan,
+            "decode_full_steps": len(full),
+            "decode_s": float(dec["step_time_s"].sum()), "prefill_s": float(pre["step_time_s"].sum()),
+            "prefill_steps": len(pre),
+            "decode_batch_mean": float(dec["batch_size"].mean()) if len(dec) else np.nan}
+
+
+def breakdown(res: Results) -> pd.DataFrame:
+    """One row per headline cell (repetitions averaged), with ratios to sglang_default."""
+    cells = select(with_derived(res.cells), SELECT)
+    if cells.empty:
+        return pd.DataFrame(columns=KEYS + COLS)
+    rows = []
+    for _, c in cells.iterrows():
+        rows.append({**{k: c.get(k) for k in KEYS}, "duration_s": c.get("duration_s"),
+                     **cell_steps(Path(res.root) / c["path"], int(c["workload.batch"]))})
+    t = pd.DataFrame(rows).groupby(KEYS, dropna=False, as_index=False).mean(numeric_only=True)
+    base = t[t["system.name"] == "sglang_default"].set_index(KEYS[:-1])
+    for col in ("decode_full_p50_ms", "decode_s", "prefill_s"):
+        ref = t.set_index(KEYS[:-1]).index.map(lambda k: base[col].get(k, np.nan) if k in base.index else np.nan)
+        t[f"{col}_vs_sglang_default"] = t[col].to_numpy() / np.asarray(ref, dtype=float)
+    return sort_rows(t, KEYS)
+
+
+def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
+    """Write tables/headline_steps.{csv,md}: every row of the headline grid (config x Lp x system),
+    with its status there and the breakdown where measured; return the table."""
+    grid = system_table(res.cells, res.config_columns, SELECT, ["config", "workload.prefix_len"],
+                        expected={"config": PAPER_CONFIG_LABELS, "workload.prefix_len": LPS})
+    grid = grid[["config", "workload.prefix_len", "system", "status"]].rename(columns={"system": "system.name"})
+    b = breakdown(res)
+    if not b.empty:
+        b = b.astype({"workload.prefix_len": grid["workload.prefix_len"].dtype})
+    t = sort_rows(grid.merge(b, on=KEYS, how="left"), KEYS)
+    t = t[[c for c in t.columns if c != "status"] + ["status"]]
+    write_table(t.rename(columns={"system.name": "system", "workload.prefix_len": "Lp"}), NAME, out, DIGITS,
+                title="Headline cells: step breakdown (measured steps, warm-up excluded)",
+                note=f"decode_full_p50_ms: p50 decode step with batch >= {FULL:.0%} of B; decode_s / prefill_s: summed "
+                     "step wall time by kind; *_vs_sglang_default: over sglang_default in the same configuration "
+                     "(below 1 = less time).")
+    return t
