@@ -156,7 +156,7 @@ MONOTONE_LP_SPAN = (512, 16384)
 MONOTONE_MIN_LPS = 4
 
 WHAT = {"cells": "cell", "kernels": "kernel row", "trace": "profiled cell",
-        "steps": "dispatch_overhead cell"}
+        "steps": "serving cell of a dispatching system"}
 
 
 def _ratio_stat(ctx: Context, c: pd.Series, sel: dict, base: dict, reduce: str) -> Outcome:
@@ -312,7 +312,7 @@ STATISTICS = {
     "amdahl_overshoot": stat_amdahl,
     "trace_speedup": stat_trace_speedup,
     "overhead_share": lambda ctx, c, s, b: stat_overhead(ctx, c, s, "share_pct"),
-    "overhead_cpu_us": lambda ctx, c, s, b: stat_overhead(ctx, c, s, "dispatch_us_mean"),
+    "overhead_cpu_us": lambda ctx, c, s, b: stat_overhead(ctx, c, s, "dispatch_us"),
 }
 
 
