@@ -28,7 +28,6 @@ planned with ``graph=False`` (run eagerly by the caller) uses the one eager wrap
 """
 from __future__ import annotations
 
-import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -308,9 +307,6 @@ class HydragenBackend(PrefixAttentionBackend):
             c.choice = "hydragen"
 
 
-_LP_NREAL = operator.attrgetter("prefix_len", "n_real")
-
-
 class GranikvBackend(PrefixAttentionBackend):
     """GraniKV: per class dense / cascade / paged as the dispatcher says.
 
@@ -329,8 +325,9 @@ class GranikvBackend(PrefixAttentionBackend):
     def _choose(self, classes, batch_size):
         # real rows only: CUDA-graph pad rows in the class must not change the decision (a class of
         # pad rows only is paged: the dispatcher answers batch_class 0 so). This is the per-step cost.
-        choices = self.dispatcher.choose_many(list(map(_LP_NREAL, classes)))   # (Lp, n_real) -> choice; n_real 0 -> paged
-        for c, choice in zip(classes, choices):
+        decide = self.dispatcher.decisions          # (Lp, n_real) -> choice, decided on first sight; n_real 0 -> paged
+        for c in classes:                           # one lookup per class, no intermediate lists (the per-step cost)
+            choice = decide[(c.prefix_len, c.n_real)]
             c.choice = "cascade" if (choice == "dense" and c.hot_start < 0) else choice
 
 

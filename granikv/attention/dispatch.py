@@ -119,6 +119,12 @@ class Dispatcher:
         return True
 
     @property
+    def decisions(self) -> dict:
+        """The decision cache, read-only by convention: ``decisions[(prefix_len, batch_class)]`` is
+        ``choose(prefix_len, batch_class)`` (a key not seen yet is decided on access)."""
+        return self._cache
+
+    @property
     def has_table(self) -> bool:
         """True when the table has rules for this GPU and shape."""
         return bool(self._rules)
