@@ -10,6 +10,9 @@ kernel.jsonl row (decode cells ``<shape>-lp<Lp>-b<B>-k<k>``):
   time_ms_min, time_ms_eager, graph (bool), graph_error, plan_ms (host wall time of plan()),
   flops, bytes, tflops, tbps, tflops_frac_peak, tbps_frac_peak, max_abs_err, decisions.
 Variant dense_unsplit: the dense backend as one plain single-prefill call (before the KV chunks).
+Variant cascade_composed: the batch-global cascade (SGLang-Cascade) on the per-class cascade path
+  (FlashInfer batch prefill over the common prefix + tensor-core decode + merge) instead of
+  FlashInfer's MultiLevelCascadeAttentionWrapper (variant cascade); opt-in (not in the default list).
 metrics.json: time_ms_<backend>, fastest_backend, fastest_time_ms, dispatch_choice (granikv's
   per-class decisions), granikv_vs_fastest (time ratio), dispatch_within_3pct, peaks.
 Layout cells ``layout-<shape>-lp<Lp>-b<B>``: variant contiguous_dense (one non-causal attention of
@@ -42,7 +45,7 @@ from granikv.attention.backends import GranikvBackend, make_backend
 from granikv.attention.bench import Shape, attention_flops, build_cell, kv_bytes, measure_peaks, sync, time_fn
 from granikv.attention.dispatch import Dispatcher, check_table
 
-VARIANTS = ("paged", "cascade", "hydragen", "dense", "dense_unsplit", "granikv_cascade", "granikv")
+VARIANTS = ("paged", "cascade", "cascade_composed", "hydragen", "dense", "dense_unsplit", "granikv_cascade", "granikv")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -147,6 +150,9 @@ def make_variant(spec: BenchSpec, shape: Shape, variant: str, cuda_graph: bool):
     dev, dt = spec.device, spec.torch_dtype
     if variant == "dense_unsplit":
         return make_backend("dense", shape.hq, shape.hkv, shape.d, dev, dt, cuda_graph=cuda_graph, dense_kv_splits=1)
+    if variant == "cascade_composed":
+        return make_backend("cascade", shape.hq, shape.hkv, shape.d, dev, dt, cuda_graph=cuda_graph,
+                            cascade_impl="composed")
     if variant in ("granikv", "granikv_cascade"):
         disp = _dispatcher(spec, shape, "table" if variant == "granikv" else "cascade_only")
         return GranikvBackend(shape.hq, shape.hkv, shape.d, dispatcher=disp, device=dev, dtype=dt, cuda_graph=cuda_graph)

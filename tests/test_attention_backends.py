@@ -108,3 +108,9 @@ def test_bad_batches_are_rejected():
         make_backend("nope", 8, 2, 8)
     with pytest.raises(ValueError, match="num_kv_heads"):
         make_backend(SystemConfig(backend="paged"), 6, 4, 8)
+
+
+def test_unknown_cascade_impl_names_the_field():
+    from granikv.attention.backends import make_backend
+    with pytest.raises(ValueError, match="cascade_impl must be one of"):
+        make_backend("cascade", 8, 2, 16, cascade_impl="fast")

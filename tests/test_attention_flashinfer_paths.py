@@ -12,7 +12,7 @@ from granikv.attention import reference as R
 from granikv.attention.dispatch import Dispatcher
 
 MIXED = [{"lp_max": 8, "choice": "paged"}, {"meff_min": 12, "choice": "dense"}, {"choice": "cascade"}]
-NAMES = ["paged", "cascade", "dense", "hydragen", "granikv"]
+NAMES = ["paged", "cascade", "cascade_composed", "dense", "hydragen", "granikv"]
 
 
 @pytest.fixture(autouse=True)
@@ -26,6 +26,8 @@ def _make(name, hq, hkv, d, graph, splits=None):
     kw = dict(device="cpu", dtype=torch.float32, cuda_graph=graph, impl="flashinfer", dense_kv_splits=splits)
     if name == "granikv":
         return GranikvBackend(hq, hkv, d, dispatcher=Dispatcher(hq, hkv, d, "t", MIXED), **kw)
+    if name == "cascade_composed":   # SGLang-Cascade's split on the per-class cascade path
+        return BACKEND_CLASSES["cascade"](hq, hkv, d, cascade_impl="composed", **kw)
     return BACKEND_CLASSES[name](hq, hkv, d, **kw)
 
 
@@ -33,6 +35,7 @@ def _make(name, hq, hkv, d, graph, splits=None):
 @pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("splits,grouped", [(None, False), (4, False), (None, True)])
 def test_flashinfer_path_bookkeeping(name, graph, splits, grouped):
+    """Every backend's FlashInfer path equals the reference over class layouts and re-plans."""
     hq, hkv, d = 8, 2, 8
     layouts = [([100], [6], [True], 0), ([4, 100, 100, 60], [2, 1, 4, 5], [True, True, True, False], 2),
                ([30, 30], [3, 3], [True, False], 1), ([], [], [], 3), ([50], [2], [True], 0)]
@@ -46,6 +49,8 @@ def test_flashinfer_path_bookkeeping(name, graph, splits, grouped):
             out = be.run(q, k, v)
             ref, _ = R.paged_decode_ref(q, k, v, batch.kv_indptr, batch.kv_indices)
             assert rel_err(out, ref) <= 1e-5, (name, graph, seed, be.last_decisions)
+            if name == "cascade_composed":
+                assert be._gpu.current.cascade is None and not be._gpu.current.multilevel
     if graph:
         assert len(be._gpu.sets) >= 2         # one wrapper set per graph_key
 
@@ -146,6 +151,8 @@ def test_decode_tensor_cores_follow_sglang_rule(name, graph):
         kw = dict(device="cpu", dtype=torch.bfloat16, cuda_graph=graph, impl="flashinfer")
         if name == "granikv":
             be = GranikvBackend(hq, hkv, 8, dispatcher=Dispatcher(hq, hkv, 8, "t", MIXED), **kw)
+        elif name == "cascade_composed":
+            be = BACKEND_CLASSES["cascade"](hq, hkv, 8, cascade_impl="composed", **kw)
         else:
             be = BACKEND_CLASSES[name](hq, hkv, 8, **kw)
         fake_flashinfer.DECODE_WRAPPERS.clear()
@@ -175,7 +182,7 @@ def _padded_class_step(seed, hkv, d, n_real, n_pad, lp=40, hot=True):
                              [b.hot_starts[0]] * bs, kv_indptr_host=torch.tensor(ptr), num_pad=n_pad)
 
 
-@pytest.mark.parametrize("name", ["dense", "hydragen", "granikv", "cascade"])
+@pytest.mark.parametrize("name", ["dense", "hydragen", "granikv", "cascade", "cascade_composed"])
 def test_padded_single_class_full_cover(name):
     """Pad rows in the one class: the no-gather full-cover path (multilevel for cascade), class size =
     padded batch in graph_key(), and the real rows' outputs equal the reference."""

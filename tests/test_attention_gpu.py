@@ -20,8 +20,10 @@ def _backend(name, hq, hkv, d, cuda_graph=False):
     from granikv.attention.dispatch import Dispatcher
 
     disp = Dispatcher(hq, hkv, d, "test", MIXED) if name == "granikv" else None
+    impl = "composed" if name == "cascade_composed" else "multilevel"
+    name = "cascade" if name == "cascade_composed" else name
     return make_backend(SimpleNamespace(backend=name, dispatch="table", tensor_core_decode="auto"), hq, hkv, d,
-                        "cuda", torch.bfloat16, dispatcher=disp, cuda_graph=cuda_graph)
+                        "cuda", torch.bfloat16, dispatcher=disp, cuda_graph=cuda_graph, cascade_impl=impl)
 
 
 def _ref(q, k, v, batch):
@@ -29,7 +31,7 @@ def _ref(q, k, v, batch):
 
 
 @needs_fi
-@pytest.mark.parametrize("name", ["paged", "cascade", "dense", "hydragen", "granikv"])
+@pytest.mark.parametrize("name", ["paged", "cascade", "cascade_composed", "dense", "hydragen", "granikv"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("layout", ["one_class", "mixed"])
 def test_backend_matches_reference(name, shape, layout):
@@ -47,7 +49,7 @@ def test_backend_matches_reference(name, shape, layout):
 
 
 @needs_fi
-@pytest.mark.parametrize("name", ["paged", "cascade", "dense", "hydragen", "granikv"])
+@pytest.mark.parametrize("name", ["paged", "cascade", "cascade_composed", "dense", "hydragen", "granikv"])
 def test_cuda_graph_replay_after_replan(name):
     hq, hkv, d = 32, 8, 128
     k, v, batch = make_step(3, hkv, d, [512], [8], [True], dtype=torch.bfloat16, device="cuda")

@@ -62,3 +62,12 @@ def test_kernel_bench_bad_input(tmp_path, bad, field):
     p = _run(tmp_path, bad)
     assert p.returncode != 0 and field in (p.stderr + p.stdout)
     assert not (tmp_path / "kernel").exists()
+
+
+def test_kernel_bench_cascade_composed_variant(tmp_path):
+    # opt-in variant: SGLang-Cascade's split on the per-class cascade path, checked against the reference
+    p = _run(tmp_path, "backends=[cascade,cascade_composed]", "cells=[t-lp16-b4-k1]")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = rawio.read_jsonl(tmp_path / "kernel" / "t-lp16-b4-k1" / "kernel.jsonl")
+    assert [r["backend"] for r in rows] == ["cascade", "cascade_composed"]
+    assert all(r["max_abs_err"] < 1e-5 and r["time_ms"] > 0 for r in rows)

@@ -40,6 +40,9 @@ from granikv.attention.batch import DecodeBatch, to_device
 CHOICES = ("paged", "cascade", "dense", "hydragen")
 
 
+CASCADE_IMPLS = ("multilevel", "composed")
+
+
 @dataclass(slots=True)
 class ClassPlan:
     """One prefix class of a step: its rows (request indices), prefix and chosen prefix path."""
@@ -102,7 +105,8 @@ class PrefixAttentionBackend:
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, tensor_core_decode: str = "auto", sm_scale: Optional[float] = None,
-                 cuda_graph: bool = False, impl: Optional[str] = None, dense_kv_splits: Optional[int] = None):
+                 cuda_graph: bool = False, impl: Optional[str] = None, dense_kv_splits: Optional[int] = None,
+                 cascade_impl: str = "multilevel"):
         if num_q_heads % num_kv_heads:
             raise ValueError(f"{self.name}: num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         self.hq, self.hkv, self.d = num_q_heads, num_kv_heads, head_dim
@@ -117,6 +121,12 @@ class PrefixAttentionBackend:
         if dense_kv_splits is not None and int(dense_kv_splits) < 1:
             raise ValueError(f"{self.name}: dense_kv_splits must be >= 1 or None (auto), got {dense_kv_splits}")
         self.dense_kv_splits = None if dense_kv_splits is None else int(dense_kv_splits)
+        # FlashInfer path of the batch-global cascade: "multilevel" = FlashInfer's
+        # MultiLevelCascadeAttentionWrapper as shipped; "composed" = the per-class cascade path
+        # (one batch prefill for the common prefix, the tensor-core decode for the rest, merge)
+        if cascade_impl not in CASCADE_IMPLS:
+            raise ValueError(f"{self.name}: cascade_impl must be one of {CASCADE_IMPLS}, got {cascade_impl!r}")
+        self.cascade_impl = cascade_impl
         self.last_decisions: list[dict] = []
         self.last_choose_us = 0.0
         self._plan: Optional[StepPlan] = None
@@ -337,7 +347,8 @@ BACKEND_CLASSES = {"paged": PagedBackend, "cascade": CascadeBackend, "dense": De
 
 def make_backend(system_cfg: Any, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, dispatcher: Any = None,
-                 cuda_graph: bool = False, dense_kv_splits: Optional[int] = None) -> PrefixAttentionBackend:
+                 cuda_graph: bool = False, dense_kv_splits: Optional[int] = None,
+                 cascade_impl: str = "multilevel") -> PrefixAttentionBackend:
     """The prefix backend of ``system_cfg.backend`` for heads per TP rank.
 
     Names: paged | cascade | hydragen | granikv (the SystemConfig backends) and dense (dense-HOT for
@@ -353,7 +364,8 @@ def make_backend(system_cfg: Any, num_q_heads: int, num_kv_heads: int, head_dim:
     if name not in BACKEND_CLASSES:
         raise ValueError(f"system.backend: '{name}' is not one of {tuple(BACKEND_CLASSES)}")
     tc = getattr(system_cfg, "tensor_core_decode", "auto")
-    kw = dict(device=device, dtype=dtype, tensor_core_decode=tc, cuda_graph=cuda_graph, dense_kv_splits=dense_kv_splits)
+    kw = dict(device=device, dtype=dtype, tensor_core_decode=tc, cuda_graph=cuda_graph, dense_kv_splits=dense_kv_splits,
+              cascade_impl=cascade_impl)
     if name == "granikv":
         if dispatcher is None:
             from granikv.attention.dispatch import Dispatcher

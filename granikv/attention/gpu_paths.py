@@ -16,7 +16,9 @@ dimension (flashinfer_ops.single_prefill_split: still one launch, plus one merge
 chosen so the CTAs fill the SMs (FlashInfer's Hopper single prefill has no split-KV: 64 CTAs on 132
 SMs at B=256, Hq=32). ``be.dense_kv_splits`` fixes ``n`` (1 = the plain call).
 
-The batch-global ``cascade`` backend runs FlashInfer's MultiLevelCascadeAttentionWrapper (2 levels).
+The batch-global ``cascade`` backend runs FlashInfer's MultiLevelCascadeAttentionWrapper (2 levels)
+when ``be.cascade_impl == "multilevel"``; with ``"composed"`` its one class takes the per-class
+cascade path above (batch prefill over the common prefix, tensor-core decode, merge).
 """
 from __future__ import annotations
 
@@ -27,6 +29,12 @@ import torch
 
 from granikv.attention import flashinfer_ops as fo
 from granikv.attention.batch import copy_from_host
+
+
+def multilevel_cascade(be, split: list) -> bool:
+    """True when this step runs FlashInfer's MultiLevelCascadeAttentionWrapper (batch-global cascade
+    backend, ``cascade_impl="multilevel"``, a common prefix present)."""
+    return be.name == "cascade" and getattr(be, "cascade_impl", "multilevel") == "multilevel" and bool(split)
 
 
 class WrapperSet:
@@ -41,7 +49,7 @@ class WrapperSet:
         b = batch_size
         i32 = dict(dtype=torch.int32, device=dev)
         split = [c for c in classes if c.choice != "paged"]
-        self.multilevel = be.name == "cascade" and bool(split)
+        self.multilevel = multilevel_cascade(be, split)
         self.decode = self.cascade = self.prefill = None
         if self.multilevel:
             lp = split[0].prefix_len
@@ -217,7 +225,7 @@ class GpuPaths:
     def _fits(ws: WrapperSet, p) -> bool:
         """Eager mode: rebuild the (cheap) set when the structure needs other wrappers or buffers."""
         split = [c for c in p.classes if c.choice != "paged"]
-        multilevel = ws.be.name == "cascade" and bool(split)
+        multilevel = multilevel_cascade(ws.be, split)
         if multilevel != ws.multilevel or ws.rows_buf.numel() < p.batch_size:
             return False
         if any(c.choice == "cascade" for c in split) and ws.prefill is None:
