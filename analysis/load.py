@@ -172,6 +172,12 @@ def _load_cell(root: Path, cell: Path) -> tuple[str, dict, list[dict], list[str]
                        **flatten(cfg)}, [], []
 
 
+# config keys added after cells were committed, with the value those older cells ran with (the key's
+# default, which kept the earlier behaviour): filled in so that old and new cells of one
+# configuration group together instead of splitting on a missing value
+ADDED_CONFIG_DEFAULTS = {"system.cascade_impl": "multilevel"}
+
+
 def load_results(root: str | Path = "results/raw") -> Results:
     """Load every cell under ``root`` (a missing root is an empty result, not an error)."""
     root = Path(root)
@@ -187,6 +193,9 @@ def load_results(root: str | Path = "results/raw") -> Results:
     cells = pd.DataFrame(done)
     if not cells.empty:
         cells = cells.sort_values(["sweep", "cell_id"], kind="stable").reset_index(drop=True)
+        for key, value in ADDED_CONFIG_DEFAULTS.items():   # cells written before the key existed ran its default
+            if key in cells.columns:
+                cells[key] = cells[key].astype(object).where(cells[key].notna(), value)
     failures = pd.DataFrame(failed, columns=None if failed else ["sweep", "cell_id", "path", "state", "error"])
     if not failures.empty:
         failures = failures.sort_values(["sweep", "cell_id"], kind="stable").reset_index(drop=True)

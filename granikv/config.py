@@ -62,9 +62,16 @@ class SystemConfig:
     hot_fraction: float = 0.2         # 0 = paged storage (every slot COLD)
     dispatch: str = "table"           # granikv only: table | dense_only | cascade_only | paged_only
     tensor_core_decode: str = "auto"  # auto = SGLang's rule (on when Hq/Hkv >= 4) | on | off
+    # backend=cascade only, GPU path: multilevel = FlashInfer's MultiLevelCascadeAttentionWrapper;
+    # composed = batch prefill over the common prefix + tensor-core decode of the rest + merge
+    cascade_impl: str = "multilevel"
 
     def __post_init__(self):
         _need(self.backend in BACKENDS, "system.backend", f"'{self.backend}' not in {BACKENDS}")
+        _need(self.cascade_impl in ("multilevel", "composed"), "system.cascade_impl",
+              f"'{self.cascade_impl}' not in ('multilevel', 'composed')")
+        _need(self.cascade_impl == "multilevel" or self.backend == "cascade", "system.cascade_impl",
+              f"'{self.cascade_impl}' applies to backend=cascade only (this system's backend is '{self.backend}')")
         _need(self.dispatch in DISPATCH, "system.dispatch", f"'{self.dispatch}' not in {DISPATCH}")
         _need(0.0 <= self.hot_fraction < 1.0, "system.hot_fraction", "must be in [0, 1)")
         _need(self.tensor_core_decode in ("auto", "on", "off"), "system.tensor_core_decode", "auto | on | off")

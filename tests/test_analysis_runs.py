@@ -262,3 +262,17 @@ def test_headline_step_breakdown_on_runner_output(res, raw, monkeypatch):
         base = t[(t["system.name"] == "sglang_default") & (t["workload.prefix_len"] == r["workload.prefix_len"])].iloc[0]
         assert r["decode_s_vs_sglang_default"] == pytest.approx(r["decode_s"] / base["decode_s"])
     assert (t.loc[t["system.name"] == "sglang_default", "prefill_s_vs_sglang_default"] == 1.0).all()
+
+
+def test_config_key_added_later_takes_its_default_for_older_cells(raw, tmp_path):
+    # a cell written before system.cascade_impl existed groups with new cells of the same configuration
+    root = tmp_path / "raw"
+    shutil.copytree(raw, root)
+    cell = next(c for c in find_cells(root) if rawio_exists(c / "steps.jsonl"))
+    cfg = read_json(cell / "config.json")
+    assert cfg["system"]["cascade_impl"] == "multilevel"
+    del cfg["system"]["cascade_impl"]
+    write_json(cell / "config.json", cfg)
+    cells = load_results(root).cells
+    assert "system.cascade_impl" in cells.columns and (cells.loc[cells["kind"] == "serving", "system.cascade_impl"]
+                                                       == "multilevel").all()

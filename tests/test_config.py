@@ -155,7 +155,9 @@ def test_unknown_key_is_rejected(hydra_ctx):
                                           ("workload.rate=0", "workload.rate"),
                                           ("workload.arrival=uniform", "workload.arrival"),
                                           ("tp=3", "tp"),
-                                          ("system.hot_fraction=1.5", "system.hot_fraction")])
+                                          ("system.hot_fraction=1.5", "system.hot_fraction"),
+                                          ("system.cascade_impl=fast", "system.cascade_impl"),
+                                          ("system.cascade_impl=composed", "system.cascade_impl")])
 def test_bad_values_name_the_key(hydra_ctx, override, key):
     with pytest.raises(ValueError, match=f"`{key}`"):
         to_run_config(_compose([override]))

@@ -31,10 +31,13 @@ def fake_fi(monkeypatch):
 
 def flashinfer_engine(name: str, graph: bool, table=MIXED, **kw) -> Engine:
     """An Engine whose decode backend and prefill attention take the FlashInfer code paths."""
-    eng = Engine(make_cfg(name, **kw), pad_batches=graph)
+    composed = name == "sglang_cascade_composed"     # SGLang-Cascade on the per-class cascade path
+    eng = Engine(make_cfg("sglang_cascade" if composed else name, **kw), pad_batches=graph)
     m, s = eng.cfg.model, eng.cfg.system
     args = (m.num_heads, m.num_kv_heads, m.head_dim)
     opts = dict(device="cpu", dtype=torch.float32, cuda_graph=graph, impl="flashinfer")
+    if composed:
+        opts["cascade_impl"] = "composed"
     if s.backend == "granikv":
         be = GranikvBackend(*args, dispatcher=Dispatcher(*args, "t", table, mode=s.dispatch), **opts)
     else:
@@ -45,7 +48,8 @@ def flashinfer_engine(name: str, graph: bool, table=MIXED, **kw) -> Engine:
 
 
 @pytest.mark.parametrize("graph", [False, True])
-@pytest.mark.parametrize("name", ["sglang_default", "sglang_cascade", "hydragen", "granikv", "granikv_dense_only"])
+@pytest.mark.parametrize("name", ["sglang_default", "sglang_cascade", "sglang_cascade_composed", "hydragen", "granikv",
+                                  "granikv_dense_only"])
 def test_engine_on_flashinfer_paths(name, graph):
     reqs = workload(21, n=9, k=3, out=(3, 10))
     # a second run: one common-prefix class only, so the batch-global cascade engages
@@ -64,8 +68,11 @@ def test_engine_on_flashinfer_paths(name, graph):
         used |= {d["backend"] for s in dec for d in s["decisions"]}
     if graph:
         assert len(eng.backend._gpu.sets) >= 2  # one wrapper set per graph key
-    if name == "sglang_cascade":
+    if name.startswith("sglang_cascade"):
         assert "cascade" in used
+    if name == "sglang_cascade_composed":      # never FlashInfer's multi-level wrapper
+        assert eng.backend._gpu.current is not None and not eng.backend._gpu.current.multilevel
+        assert not any(ws.multilevel for ws in eng.backend._gpu.sets.values())
     if name == "granikv":
         assert {"dense", "cascade"} <= used or {"dense", "paged"} <= used
 

@@ -356,7 +356,7 @@ def make_backend(system_cfg: Any, num_q_heads: int, num_kv_heads: int, head_dim:
     ``granikv`` with ``dispatch=dense_only``).
 
     ``system_cfg``: a granikv.config.SystemConfig (or anything with ``backend``, ``dispatch``,
-    ``tensor_core_decode``). For ``granikv`` without an explicit dispatcher, a Dispatcher in
+    ``tensor_core_decode``; ``cascade_impl`` when it has one, else the argument). For ``granikv`` without an explicit dispatcher, a Dispatcher in
     ``system_cfg.dispatch`` mode is built with the paper's A100 rule as table (use
     granikv.attention.dispatch.Dispatcher.from_hardware to pass the fitted table).
     """
@@ -365,7 +365,7 @@ def make_backend(system_cfg: Any, num_q_heads: int, num_kv_heads: int, head_dim:
         raise ValueError(f"system.backend: '{name}' is not one of {tuple(BACKEND_CLASSES)}")
     tc = getattr(system_cfg, "tensor_core_decode", "auto")
     kw = dict(device=device, dtype=dtype, tensor_core_decode=tc, cuda_graph=cuda_graph, dense_kv_splits=dense_kv_splits,
-              cascade_impl=cascade_impl)
+              cascade_impl=getattr(system_cfg, "cascade_impl", cascade_impl))
     if name == "granikv":
         if dispatcher is None:
             from granikv.attention.dispatch import Dispatcher
