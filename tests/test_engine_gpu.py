@@ -46,6 +46,41 @@ def _requests() -> list[Request]:
     return reqs
 
 
+def _worst_logit_diff(eng, res_records, reqs, steps: int = 7) -> float:
+    """Largest relative difference of the probed decode logits from the no-cache reference, over
+    the positions where the engine's tokens still equal the reference's."""
+    worst = 0.0
+    for r in reqs[:4]:
+        ref_tok, ref_logits = generate_reference(eng.model, r.prompt_ids, steps)
+        got = res_records[r.rid]
+        for k in range(1, steps):
+            if got[:k] != ref_tok[:k] or (r.rid, k) not in eng.runner.logit_probe.kept:
+                break
+            lg = eng.runner.logit_probe.kept[(r.rid, k)]
+            worst = max(worst, float((lg - ref_logits[k].cpu()).abs().max() / ref_logits[k].abs().max()))
+    return worst
+
+
+@needs_fi
+@pytest.mark.parametrize("impl", ["multilevel", "composed"])
+def test_gpu_engine_batch_global_cascade(impl):
+    """sglang_cascade with one common prefix (the batch-global cascade engages), both GPU paths."""
+    rng = random.Random(1)
+    pre = [rng.randrange(1024) for _ in range(600)]
+    reqs = [Request(i, pre + [rng.randrange(1024) for _ in range(rng.randrange(4, 40))], 12, shared_len=len(pre),
+                    prefix_class=0) for i in range(11)]
+    cfg = _cfg("sglang_cascade", True)
+    cfg.system.cascade_impl = impl
+    eng = Engine(cfg)
+    eng.runner.logit_probe = LogitProbe(rows=4, steps=6)
+    res = eng.run(reqs)
+    dec = [s for s in res.steps if s["kind"] == "decode"]
+    assert any(d["backend"] == "cascade" for s in dec for d in s["decisions"])
+    assert any(ws.multilevel for ws in eng.backend._gpu.sets.values()) == (impl == "multilevel")
+    worst = _worst_logit_diff(eng, [r.output_ids for r in res.records], reqs)
+    assert worst < 0.05, f"sglang_cascade/{impl}: decode logits differ from the reference by {worst:.3f} (relative)"
+
+
 @needs_fi
 @pytest.mark.parametrize("system", list(SYSTEMS) + ["granikv_dense_only"])
 def test_gpu_engine_matches_reference_and_eager(system):
@@ -60,15 +95,7 @@ def test_gpu_engine_matches_reference_and_eager(system):
         if graphs:
             assert any(s["cuda_graph"] for s in dec) and any(s["padded_bs"] > s["batch_size"] for s in dec)
             assert not res.stats["eager_decode_reasons"], res.stats["eager_decode_reasons"]
-            worst = 0.0
-            for r in reqs[:4]:
-                ref_tok, ref_logits = generate_reference(eng.model, r.prompt_ids, 7)
-                got = out[graphs][r.rid]
-                for k in range(1, 7):
-                    if got[:k] != ref_tok[:k] or (r.rid, k) not in eng.runner.logit_probe.kept:
-                        break
-                    lg = eng.runner.logit_probe.kept[(r.rid, k)]
-                    worst = max(worst, float((lg - ref_logits[k].cpu()).abs().max() / ref_logits[k].abs().max()))
+            worst = _worst_logit_diff(eng, out[graphs], reqs)
             assert worst < 0.05, f"{system}: decode logits differ from the reference by {worst:.3f} (relative)"
         del eng
         torch.cuda.empty_cache()
