@@ -11,6 +11,7 @@ from typing import Any, Optional
 SYSTEMS = ("sglang_default", "sglang_cascade", "hydragen", "granikv")
 BACKENDS = ("paged", "cascade", "hydragen", "granikv")
 DISPATCH = ("table", "dense_only", "cascade_only", "paged_only")
+CASCADE_IMPLS = ("multilevel", "composed")   # backend=cascade, GPU path (see SystemConfig.cascade_impl)
 WORKLOADS = ("synthetic", "sharegpt", "multiprefix")
 ARRIVALS = ("burst", "poisson", "gamma")
 
@@ -68,8 +69,7 @@ class SystemConfig:
 
     def __post_init__(self):
         _need(self.backend in BACKENDS, "system.backend", f"'{self.backend}' not in {BACKENDS}")
-        _need(self.cascade_impl in ("multilevel", "composed"), "system.cascade_impl",
-              f"'{self.cascade_impl}' not in ('multilevel', 'composed')")
+        _need(self.cascade_impl in CASCADE_IMPLS, "system.cascade_impl", f"'{self.cascade_impl}' not in {CASCADE_IMPLS}")
         _need(self.cascade_impl == "multilevel" or self.backend == "cascade", "system.cascade_impl",
               f"'{self.cascade_impl}' applies to backend=cascade only (this system's backend is '{self.backend}')")
         _need(self.dispatch in DISPATCH, "system.dispatch", f"'{self.dispatch}' not in {DISPATCH}")

@@ -27,9 +27,9 @@ Dispatch-cost cell ``dispatch_cost``: host microseconds per step for Dispatcher.
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
-import statistics
 import time
 import timeit
 import traceback

@@ -36,11 +36,9 @@ import torch
 
 from granikv.attention import reference
 from granikv.attention.batch import DecodeBatch, to_device
+from granikv.config import CASCADE_IMPLS
 
 CHOICES = ("paged", "cascade", "dense", "hydragen")
-
-
-CASCADE_IMPLS = ("multilevel", "composed")
 
 
 @dataclass(slots=True)
@@ -334,9 +332,10 @@ class GranikvBackend(PrefixAttentionBackend):
 
     def _choose(self, classes, batch_size):
         # real rows only: CUDA-graph pad rows in the class must not change the decision (a class of
-        # pad rows only is paged: the dispatcher answers batch_class 0 so). This is the per-step cost.
-        decide = self.dispatcher.decisions          # (Lp, n_real) -> choice, decided on first sight; n_real 0 -> paged
-        for c in classes:                           # one lookup per class, no intermediate lists (the per-step cost)
+        # pad rows only is paged: the dispatcher answers batch_class 0 so). One lookup per class and
+        # no intermediate lists: this loop is the dispatcher's per-step cost.
+        decide = self.dispatcher.decisions          # (Lp, n_real) -> choice, decided on first sight
+        for c in classes:
             choice = decide[(c.prefix_len, c.n_real)]
             c.choice = "cascade" if (choice == "dense" and c.hot_start < 0) else choice
 
@@ -356,9 +355,10 @@ def make_backend(system_cfg: Any, num_q_heads: int, num_kv_heads: int, head_dim:
     ``granikv`` with ``dispatch=dense_only``).
 
     ``system_cfg``: a granikv.config.SystemConfig (or anything with ``backend``, ``dispatch``,
-    ``tensor_core_decode``; ``cascade_impl`` when it has one, else the argument). For ``granikv`` without an explicit dispatcher, a Dispatcher in
-    ``system_cfg.dispatch`` mode is built with the paper's A100 rule as table (use
-    granikv.attention.dispatch.Dispatcher.from_hardware to pass the fitted table).
+    ``tensor_core_decode``; ``cascade_impl`` when it has one, else the argument). For ``granikv``
+    without an explicit dispatcher, a Dispatcher in ``system_cfg.dispatch`` mode is built with the
+    paper's A100 rule as table (use granikv.attention.dispatch.Dispatcher.from_hardware to pass the
+    fitted table).
     """
     name = getattr(system_cfg, "backend", system_cfg)
     if name not in BACKEND_CLASSES:

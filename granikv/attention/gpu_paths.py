@@ -34,7 +34,7 @@ from granikv.attention.batch import copy_from_host
 def multilevel_cascade(be, split: list) -> bool:
     """True when this step runs FlashInfer's MultiLevelCascadeAttentionWrapper (batch-global cascade
     backend, ``cascade_impl="multilevel"``, a common prefix present)."""
-    return be.name == "cascade" and getattr(be, "cascade_impl", "multilevel") == "multilevel" and bool(split)
+    return be.name == "cascade" and be.cascade_impl == "multilevel" and bool(split)
 
 
 class WrapperSet:
