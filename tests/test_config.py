@@ -55,6 +55,19 @@ def test_every_group_option_instantiates(hydra_ctx, group):
             assert sub.kind == opt
 
 
+def test_system_yaml_matches_engine_preset(hydra_ctx):
+    """runners.run composes conf/system/<name>.yaml; runners.engine_bench and the engine tests take
+    granikv.engine.systems' presets. A field that differs would run a different system under the
+    same name (seen: sglang_cascade's cascade_impl set in the yaml only)."""
+    from dataclasses import asdict
+
+    from granikv.engine.systems import ABLATIONS, SYSTEMS
+    presets = {**SYSTEMS, **ABLATIONS}
+    assert set(options("system")) == set(presets)
+    for opt in options("system"):
+        assert asdict(to_run_config(_compose([f"system={opt}"])).system) == asdict(presets[opt]), opt
+
+
 def test_launchers_compose(hydra_ctx):
     assert _compose(["launcher=local"]).hydra.launcher._target_.endswith("BasicLauncher")
     try:

@@ -6,7 +6,8 @@
 | hydragen        | paged                        | hydragen  | none                |
 | granikv         | HOT slab + COLD (0.2)        | granikv   | per class, by table |
 
-Ablations are settings of the same parts, never new code paths: ``granikv`` with
+These presets and ``conf/system/<name>.yaml`` (what ``runners.run`` composes) must agree field
+for field; ``tests/test_config.py`` checks it. Ablations are settings of the same parts, never new code paths: ``granikv`` with
 ``dispatch=dense_only|cascade_only|paged_only``, or with ``hot_fraction=0`` (no HOT: every
 prefix takes the paged fallback).
 """
@@ -20,7 +21,10 @@ from granikv.config import HardwareConfig, ModelConfig, SystemConfig
 
 SYSTEMS: dict[str, SystemConfig] = {
     "sglang_default": SystemConfig(name="sglang_default", backend="paged", hot_fraction=0.0),
-    "sglang_cascade": SystemConfig(name="sglang_cascade", backend="cascade", hot_fraction=0.0),
+    # composed: FlashInfer batch prefill + tensor-core decode + merge, faster than the shipped
+    # MultiLevelCascadeAttentionWrapper at every B >= 128 on the H200 (conf/system/sglang_cascade.yaml)
+    "sglang_cascade": SystemConfig(name="sglang_cascade", backend="cascade", hot_fraction=0.0,
+                                   cascade_impl="composed"),
     "hydragen": SystemConfig(name="hydragen", backend="hydragen", hot_fraction=0.0),
     "granikv": SystemConfig(name="granikv", backend="granikv", hot_fraction=0.2, dispatch="table"),
 }
