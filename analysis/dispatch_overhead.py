@@ -54,7 +54,8 @@ def overhead_frame(res: Results) -> pd.DataFrame:
             disp, p50, src = float(us.mean()), float(us.median()), "steps.jsonl"
         else:
             disp, p50, src = bench_us, np.nan, "kernel_bench dispatch_cost" if np.isfinite(bench_us) else ""
-        rows.append({**r.to_dict(), "decode_steps": len(dec), "step_ms_mean": step_ms, "dispatch_us": disp,
+        commit = str(r.get("provenance.git_commit") or "")[:7]
+        rows.append({**r.to_dict(), "commit": commit, "decode_steps": len(dec), "step_ms_mean": step_ms, "dispatch_us": disp,
                      "dispatch_us_p50": p50, "dispatch_from": src, "bench_lookup_us": bench_us,
                      "plan_us_cpu": plan_us, "share_pct": 100 * disp / (1e3 * step_ms)})
     return pd.DataFrame(rows)
@@ -64,7 +65,7 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     """Write this module's table (and, unless ``figures`` is False, its figures); return the table."""
     t = overhead_frame(res)
     cols = ["config", "sweep", "workload.kind", "workload.prefix_len", "workload.batch", "system", "cell_id",
-            "decode_steps", "step_ms_mean", "dispatch_us", "dispatch_us_p50", "dispatch_from", "bench_lookup_us",
+            "commit", "decode_steps", "step_ms_mean", "dispatch_us", "dispatch_us_p50", "dispatch_from", "bench_lookup_us",
             "plan_us_cpu", "share_pct", "status"]
     if t.empty:
         us, plan = bench_dispatch_us(res)
@@ -82,7 +83,8 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
                 note="paper: < 1 us CPU per step, < 0.2% of per-step wall time (A100). dispatch_us: the engine's "
                      "per-step dispatcher time (mean over decode steps; p50 beside); bench_lookup_us: the table lookup "
                      "alone in a tight loop (kernel bench, one class); plan_us_cpu: GraniKV's whole plan() on CPU "
-                     "tensors (B=256, one class), for scale.")
+                     "tensors (B=256, one class), for scale. commit: the code each cell ran (the dispatcher's per-class "
+                     "lookup was rewritten at 10ad10a).")
     if not figures:
         return t
     m = t[t["status"] == "measured"]

@@ -94,9 +94,14 @@ def dispatch_line(res: Results, cache: dict) -> str:
     if t.empty:
         return ""
     lookup = t["bench_lookup_us"].dropna()
+    by_commit = ""
+    if "commit" in t.columns and t["commit"].nunique() > 1:
+        g = t.groupby("commit")["dispatch_us_p50"].agg(["min", "max", "size"]).sort_values("max")
+        by_commit = " (by commit: " + "; ".join(f"{c}: {r['min']:.1f}-{r['max']:.1f} us in {int(r['size'])} cells"
+                                                 for c, r in g.iterrows()) + ")"
     return (f"In the engine the per-step dispatcher time (GranikvBackend._choose inside plan(): the table lookup "
             f"and writing each class's choice into its plan) is {t['dispatch_us_p50'].min():.1f}-"
-            f"{t['dispatch_us_p50'].max():.1f} us p50 over {len(t)} cells"
+            f"{t['dispatch_us_p50'].max():.1f} us p50 over {len(t)} cells{by_commit}"
             + (f", while the lookup alone in a tight loop on the same host takes {lookup.iloc[0]:.2f} us (kernel bench "
                "dispatch_cost); the rest is host work around the lookup in a running engine, not broken down further"
                if len(lookup) else "")
