@@ -245,7 +245,9 @@ def init_tp(rc: RunConfig) -> int:
     if rc.hardware.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if rc.hardware.device == "cuda" else "gloo")
+        # GPU: NCCL for the model's CUDA tensors, gloo for host tensors (the scheduler's clock), so
+        # the step loop never waits on the GPU stream for a collective (SGLang's CPU group)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if rc.hardware.device == "cuda" else "gloo")
         atexit.register(_leave_tp)
     return dist.get_rank()
 

@@ -270,3 +270,41 @@ def test_tp2_sweep_under_torchrun_writes_once(tmp_path):
     for c in cells:
         check_serving_cell(c)
         assert rawio.read_json(c / "config.json")["tp"] == 2
+
+
+def test_gpu_tp_group_has_a_host_side(monkeypatch):
+    """On the GPU, init_tp asks for NCCL for CUDA tensors and gloo for host tensors: the engine's
+    clock broadcast is a host tensor, and over NCCL its .item() would wait for every queued kernel
+    each step (the overlap schedule lost; seen in the TP=2 headline cells at 26f2413)."""
+    import torch
+    import torch.distributed as dist
+
+    import runners.run as run_mod
+    seen = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend: seen.setdefault("backend", backend))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(run_mod.atexit, "register", lambda f: None)
+    rc = to_run_config(compose_cfg([*SMALL, "tp=2", "hardware.device=cuda"]))
+    assert run_mod.init_tp(rc) == 1
+    assert set(seen["backend"].split(",")) == {"cpu:gloo", "cuda:nccl"}
+
+
+def test_tp_clock_broadcasts_a_host_tensor(monkeypatch):
+    """Engine._clock under TP broadcasts on TPGroup.host_device (the CPU with a gloo side)."""
+    import torch
+    import torch.distributed as dist
+
+    from granikv.engine.engine import Engine
+    from granikv.engine.model import TPGroup
+
+    tp = TPGroup(1)
+    tp.size = 2
+    devices = []
+    monkeypatch.setattr(dist, "broadcast", lambda t, src: devices.append(t.device.type))
+    eng = Engine.__new__(Engine)
+    eng.tp, eng.device = tp, torch.device("cuda")    # the old clock put its tensor here
+    eng._clock(0.0, need_sync=True)
+    assert devices == ["cpu"]

@@ -233,8 +233,10 @@ class Engine:
     def _clock(self, t0: float, need_sync: bool) -> float:
         now = time.perf_counter() - t0
         if self.tp.size > 1 and need_sync:  # all ranks must admit the same requests
-            t = torch.tensor([now], dtype=torch.float64,
-                             device=self.device if self.device.type == "cuda" else "cpu")
+            # a host tensor over the group's gloo side: no wait on the GPU stream, so the overlap
+            # schedule survives (as SGLang broadcasts requests on a CPU group); over NCCL, .item()
+            # would wait for every queued kernel first
+            t = torch.tensor([now], dtype=torch.float64, device=self.tp.host_device)
             dist.broadcast(t, src=0)
             now = float(t.item())
         return now

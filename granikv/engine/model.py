@@ -43,6 +43,11 @@ class TPGroup:
                 raise ValueError(f"config error at `tp`: tp={size} but the process group has "
                                  f"{dist.get_world_size()} ranks; set tp to the torchrun world size")
         self.rank = dist.get_rank() if size > 1 else 0
+        # where the host-side collectives (the scheduler's clock) live: the CPU when the group has a
+        # gloo side (runners.run inits "cpu:gloo,cuda:nccl"), else the GPU (a host sync per call)
+        self.host_device = torch.device("cpu")
+        if size > 1 and "gloo" not in str(dist.get_backend()):
+            self.host_device = torch.device("cuda", torch.cuda.current_device())
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
