@@ -48,6 +48,19 @@ def test_backend_matches_reference(name, shape, layout):
     assert rel_err(out, _ref(q, k, v, batch)) <= 2e-2, be.last_decisions
 
 
+def _capture(be, q, k, v):
+    """Warm ``be.run`` up on a side stream (JIT outside capture), then capture it: (graph, output)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        be.run(q, k, v)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = be.run(q, k, v)
+    return g, out
+
+
 @needs_fi
 @pytest.mark.parametrize("name", ["paged", "cascade", "cascade_composed", "dense", "hydragen", "granikv"])
 def test_cuda_graph_replay_after_replan(name):
@@ -57,14 +70,7 @@ def test_cuda_graph_replay_after_replan(name):
     q = torch.randn(batch.batch_size, hq, d, device="cuda").bfloat16()
     be.plan(batch)
     key = be.graph_key()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        be.run(q, k, v)               # warm-up / JIT outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = be.run(q, k, v)
+    g, out = _capture(be, q, k, v)
     # same structure, new data: one more suffix slot per request is NOT the same key in general,
     # so re-plan the same layout with fresh K/V and queries
     k.copy_(torch.randn_like(k))
@@ -103,14 +109,7 @@ def test_cuda_graph_replay_after_replan_new_class_rows(mode):
     (k, v, b1), (k2, v2, b2) = list(got.values())
     q = torch.randn(b1.batch_size, hq, d, device="cuda").bfloat16()
     be.plan(b1)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        be.run(q, k, v)               # warm-up / JIT outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = be.run(q, k, v)
+    g, out = _capture(be, q, k, v)
     k.copy_(k2)                       # the graph reads these buffers: the new step's data goes into them
     v.copy_(v2)
     q.copy_(torch.randn_like(q))
