@@ -24,9 +24,15 @@ def hardware_summary(res: Results) -> list[str]:
         return []
     d = pd.concat([f[["path", "provenance.gpu_name", "provenance.gpu_count"]] for f in frames]).drop_duplicates("path")
     d = d.fillna({"provenance.gpu_name": "no GPU (CPU)"})
+    conc = res.cells.set_index("path")["provenance.concurrent_sweeps"] \
+        if "provenance.concurrent_sweeps" in res.cells.columns else pd.Series(dtype=float)
     out = []
     for (g, n), grp in d.groupby(["provenance.gpu_name", "provenance.gpu_count"], dropna=False, sort=True):
-        out.append(f"{g}{f' x{fmt(n)}' if n and n == n else ''}: {len(grp)} cells")
+        shared = pd.to_numeric(conc.reindex(grp["path"]), errors="coerce")
+        k = int((shared > 1).sum())
+        note = (f" ({k} of them while another sweep ran on the host's other GPU; provenance "
+                "concurrent_sweeps)") if k else ""
+        out.append(f"{g}{f' x{fmt(n)}' if n and n == n else ''}: {len(grp)} cells{note}")
     return out
 
 

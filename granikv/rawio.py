@@ -142,6 +142,14 @@ def _git(*args: str) -> str:
         return ""
 
 
+def _concurrent_sweeps() -> int:
+    raw = os.environ.get("GRANIKV_CONCURRENT_SWEEPS", "1") or "1"
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"GRANIKV_CONCURRENT_SWEEPS={raw!r}: must be a whole number >= 1 "
+                         "(how many sweeps share this host; runners/gpu/sweep.sh sets it)")
+    return int(raw)
+
+
 def provenance() -> dict:
     """Where and with what a result was produced: git commit, host, GPU, driver, versions, time."""
     import torch
@@ -189,6 +197,10 @@ def provenance() -> dict:
         "hostname": socket.gethostname(),
         "gpu_name": gpu_name,
         "gpu_count": gpu_count,
+        # which of the host's GPUs this process saw, and how many sweeps shared the host at once
+        # (runners/gpu/sweep.sh GRANIKV_GPU_SPLIT: one TP=1 sweep per GPU; 1 = this one alone)
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "concurrent_sweeps": _concurrent_sweeps(),
         "driver": driver,
         "cuda": torch.version.cuda,
         "torch": torch.__version__,

@@ -303,3 +303,14 @@ def test_report_explains_a_reproduced_ratio_short_of_the_paper(res, monkeypatch)
     assert f"GraniKV {at.loc['granikv', 'duration_s']:.1f} s = decode {at.loc['granikv', 'decode_s']:.1f} s" in line
     # a claim at an Lp without both systems has no line (no invented split)
     assert shares_line(res, ev.iloc[0].copy().replace(ev.iloc[0]["selectors"], sel.replace("128", "4096")), {}) == ""
+
+
+def test_report_says_which_cells_shared_the_host(res):
+    from analysis.report import hardware_summary
+    assert "provenance.concurrent_sweeps" in res.cells.columns
+    assert (res.cells["provenance.concurrent_sweeps"] == 1).all()     # the CPU runner alone
+    shared = res.cells.copy()
+    shared.loc[shared.index[:2], "provenance.concurrent_sweeps"] = 2
+    line = hardware_summary(type(res)(root=res.root, cells=shared, failures=res.failures, kernels=res.kernels))
+    assert line == [f"no GPU (CPU): {len(res.cells)} cells (2 of them while another sweep ran on the host's "
+                    "other GPU; provenance concurrent_sweeps)"]

@@ -65,3 +65,17 @@ def test_provenance_takes_the_launchers_commit(monkeypatch):
     p = rawio.provenance()
     assert p["git_commit_source"] in ("git", "none") and p["git_commit"] == (p["git_head_seen"] or "unknown")
 
+
+
+def test_provenance_records_a_shared_host(monkeypatch):
+    monkeypatch.delenv("GRANIKV_CONCURRENT_SWEEPS", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    p = rawio.provenance()
+    assert p["concurrent_sweeps"] == 1 and p["cuda_visible_devices"] is None
+    monkeypatch.setenv("GRANIKV_CONCURRENT_SWEEPS", "2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    p = rawio.provenance()
+    assert p["concurrent_sweeps"] == 2 and p["cuda_visible_devices"] == "1"
+    monkeypatch.setenv("GRANIKV_CONCURRENT_SWEEPS", "two")
+    with pytest.raises(ValueError, match="GRANIKV_CONCURRENT_SWEEPS='two'.*whole number"):
+        rawio.provenance()

@@ -32,6 +32,11 @@ SITE=$ROOT/.gpu_site/site
 PY=${PYTHON:-python3}
 
 gpu_env_setup() {
+  if [ -n "${GRANIKV_ENV_CPU_TEST:-}" ]; then   # tests/test_gpu_scripts.py: the scripts' logic on CPU, no FlashInfer
+    export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+    log "CPU test environment (GRANIKV_ENV_CPU_TEST): no FlashInfer, no GPU"
+    return 0
+  fi
   mkdir -p "$SITE" "$FLASHINFER_WORKSPACE_BASE"
   if [ ! -d "$SITE/flashinfer" ]; then
     local FI_TAR

@@ -15,6 +15,12 @@
 #   fi_cache.tar.xz.part-*   the FlashInfer JIT cache for the next call (put in .fi_cache/parts/)
 # Here: `for r in <files_at>/raw*.tar.gz.part-aa; do cat ${r%aa}* | tar -xz; done` in the repo root,
 # then commit results/raw.
+#
+# Two TP=1 sweeps at once on the 2-GPU kind (twice the cells per device-second):
+#   GRANIKV_GPU_SPLIT="system=sglang_default,granikv|system=sglang_cascade,hydragen" bash runners/gpu/sweep.sh ...
+# runs one sweep per '|'-separated part, part i on GPU i (CUDA_VISIBLE_DEVICES=i), each with the
+# common overrides plus its part; logs sweep.gpu<i>.log. Each cell's provenance records
+# cuda_visible_devices and concurrent_sweeps (the number of parts), so the analysis can tell them apart.
 set -uo pipefail
 T0=$(date +%s)
 GPU_LOG_TAG=sweep.sh
@@ -43,12 +49,38 @@ MARK=$(mktemp); touch "$MARK"; sleep 1
 TP=${GRANIKV_TP:-1}
 LAUNCH="$PY -m runners.run"
 [ "$TP" -gt 1 ] && LAUNCH="$PY -m torch.distributed.run --standalone --nproc_per_node=$TP -m runners.run"
+SPLIT=()
+if [ -n "${GRANIKV_GPU_SPLIT:-}" ]; then
+  IFS='|' read -r -a SPLIT <<< "$GRANIKV_GPU_SPLIT"
+  NGPU=${GRANIKV_NGPU:-$($PY -c "import torch; print(torch.cuda.device_count())")}   # GRANIKV_NGPU: CPU tests only
+  if [ "$TP" -gt 1 ] || [ "${#SPLIT[@]}" -gt "$NGPU" ]; then
+    log "ERROR: GRANIKV_GPU_SPLIT has ${#SPLIT[@]} parts for $NGPU GPUs at TP=$TP: it runs TP=1 sweeps, one per GPU"
+    exit 2
+  fi
+fi
 for P in "${PRESETS[@]}"; do
   T=$(left)
   if [ "$T" -lt 60 ]; then log "budget spent: $P not started (the next round runs it)"; continue; fi
-  log "sweep=$P ${EXTRA[*]} (limit ${T}s)"
-  timeout "$T" $LAUNCH -m "sweep=$P" "${EXTRA[@]}" 2>&1 | tee -a "$OUT/sweep.log" | grep -E "^\[runners.run\]|Error|error|FAILED" | tail -40
-  log "sweep=$P rc=${PIPESTATUS[0]} (124 = cut by the budget; resumable)"
+  if [ ${#SPLIT[@]} -eq 0 ]; then
+    log "sweep=$P ${EXTRA[*]} (limit ${T}s)"
+    timeout "$T" $LAUNCH -m "sweep=$P" "${EXTRA[@]}" 2>&1 | tee -a "$OUT/sweep.log" | grep -E "^\[runners.run\]|Error|error|FAILED" | tail -40
+    log "sweep=$P rc=${PIPESTATUS[0]} (124 = cut by the budget; resumable)"
+    continue
+  fi
+  PIDS=()
+  for i in "${!SPLIT[@]}"; do
+    read -r -a PART <<< "${SPLIT[$i]}"
+    log "sweep=$P ${EXTRA[*]} ${PART[*]} on GPU $i (limit ${T}s)"
+    ( CUDA_VISIBLE_DEVICES=$i GRANIKV_CONCURRENT_SWEEPS=${#SPLIT[@]} \
+        timeout "$T" $LAUNCH -m "sweep=$P" "${EXTRA[@]}" "${PART[@]}" >> "$OUT/sweep.gpu$i.log" 2>&1
+      echo "$?" > "$OUT/.rc.gpu$i" ) &
+    PIDS+=($!)
+  done
+  wait "${PIDS[@]}"
+  for i in "${!SPLIT[@]}"; do
+    grep -E "^\[runners.run\]|Error|error|FAILED" "$OUT/sweep.gpu$i.log" | tail -20
+    log "sweep=$P on GPU $i rc=$(cat "$OUT/.rc.gpu$i") (124 = cut by the budget; resumable)"
+  done
 done
 # finished (metrics.json) or failed (failure.json) cells only: a cell cut off mid-run is rerun next round
 CHANGED=$(find results/raw -newer "$MARK" \( -name metrics.json -o -name failure.json \) 2>/dev/null \

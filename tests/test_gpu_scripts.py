@@ -1,0 +1,65 @@
+"""runners/gpu/sweep.sh's own logic, run on CPU (tiny model, GRANIKV_ENV_CPU_TEST: no FlashInfer):
+the two-sweeps-at-once split (GRANIKV_GPU_SPLIT), what each cell's provenance then records, the
+packing of the changed cells, and the refusal of a split that cannot work."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["workload.prefix_len=64"]   # smoke: tiny model, B=4, 8 output tokens
+
+
+@pytest.fixture()
+def repo(tmp_path) -> Path:
+    """A copy of the code (no results) to run the script in: it writes results/raw under its cwd."""
+    dst = tmp_path / "repo"
+    dst.mkdir()
+    for name in ("conf", "granikv", "runners", "analysis"):
+        shutil.copytree(ROOT / name, dst / name, ignore=shutil.ignore_patterns("__pycache__"))
+    return dst
+
+
+def _sweep(repo: Path, out: Path, split: str, ngpu: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GRANIKV_ENV_CPU_TEST": "1", "GRANIKV_SKIP_FUSED_CHECK": "1", "PYTHON": sys.executable,
+           "OUT": str(out), "GRANIKV_GPU_SPLIT": split, "GRANIKV_NGPU": str(ngpu), "GRANIKV_BUDGET_S": "400",
+           "GRANIKV_PACK_RESERVE_S": "10", "GRANIKV_GIT_COMMIT": "0" * 40, "GRANIKV_GIT_DIRTY": "false"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return subprocess.run(["bash", "runners/gpu/sweep.sh", "smoke", "--", *TINY], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_split_runs_one_sweep_per_part_and_records_it(repo, tmp_path):
+    out = tmp_path / "out"
+    p = _sweep(repo, out, "system=sglang_default|system=granikv", ngpu=2)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    cells = sorted((repo / "results/raw/smoke").glob("*/metrics.json"))
+    assert [c.parent.name for c in cells] == ["system=granikv,workload.prefix_len=64",
+                                              "system=sglang_default,workload.prefix_len=64"]
+    seen = {}
+    for c in cells:
+        prov = json.loads((c.parent / "config.json").read_text())["provenance"]
+        seen[c.parent.name.split(",")[0]] = (prov["cuda_visible_devices"], prov["concurrent_sweeps"])
+    # part i ran with CUDA_VISIBLE_DEVICES=i, and both know they shared the host
+    assert seen == {"system=sglang_default": ("0", 2), "system=granikv": ("1", 2)}
+    assert (out / "sweep.gpu0.log").exists() and (out / "sweep.gpu1.log").exists()
+    parts = sorted(out.glob("raw.tar.gz.part-*"))
+    data = b"".join(x.read_bytes() for x in parts)
+    (tmp_path / "raw.tar.gz").write_bytes(data)
+    with tarfile.open(tmp_path / "raw.tar.gz") as t:
+        names = {n for n in t.getnames() if n.endswith("metrics.json")}
+    assert names == {f"results/raw/smoke/{c.parent.name}/metrics.json" for c in cells}
+
+
+def test_split_refuses_more_parts_than_gpus(repo, tmp_path):
+    p = _sweep(repo, tmp_path / "out", "system=sglang_default|system=granikv", ngpu=1)
+    assert p.returncode == 2
+    assert "GRANIKV_GPU_SPLIT has 2 parts for 1 GPUs" in p.stdout
+    assert not (repo / "results/raw/smoke").exists()
