@@ -142,6 +142,17 @@ def _git(*args: str) -> str:
         return ""
 
 
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def _concurrent_sweeps() -> int:
     raw = os.environ.get("GRANIKV_CONCURRENT_SWEEPS", "1") or "1"
     if not raw.isdigit() or int(raw) < 1:
@@ -200,6 +211,8 @@ def provenance() -> dict:
         # which of the host's GPUs this process saw, and how many sweeps shared the host at once
         # (runners/gpu/sweep.sh GRANIKV_GPU_SPLIT: one TP=1 sweep per GPU; 1 = this one alone)
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        # the host CPU: eager prefill and the step loop are bound by it (the 1- and 2-GPU kinds differ)
+        "cpu_model": _cpu_model(), "cpu_count": os.cpu_count(),
         "concurrent_sweeps": _concurrent_sweeps(),
         "driver": driver,
         "cuda": torch.version.cuda,

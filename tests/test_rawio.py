@@ -1,5 +1,6 @@
 """granikv.rawio: jsonl stored plain or gzip-compressed, lossless cell compression."""
 import gzip
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +73,7 @@ def test_provenance_records_a_shared_host(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     p = rawio.provenance()
     assert p["concurrent_sweeps"] == 1 and p["cuda_visible_devices"] is None
+    assert p["cpu_count"] == os.cpu_count() and (p["cpu_model"] is None or isinstance(p["cpu_model"], str))
     monkeypatch.setenv("GRANIKV_CONCURRENT_SWEEPS", "2")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     p = rawio.provenance()

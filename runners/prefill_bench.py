@@ -1,0 +1,164 @@
+"""Where a prefill step's time goes: the engine's eager prefill of one request of n new tokens.
+
+    python -m runners.prefill_bench --model qwen25_14b --hardware h200 --out results/raw/prefill_host
+    torchrun --nproc_per_node=2 -m runners.prefill_bench --model qwen25_14b --hardware h200 ...   # TP = world size
+
+The headline's prefill steps (ShareGPT suffixes, 16-2,000 new tokens) run eagerly, as SGLang's
+extend batches do. This bench times them in isolation, for each ``n`` in ``--tokens`` (one request,
+no cached prefix; ``--reps`` timed runs after ``--warmup`` untimed ones, ranks aligned before each):
+
+- ``step_ms``: ``ModelRunner.prefill`` as the engine calls it (plan, forward, first token to the host);
+- ``launch_ms``: the model forward alone until the call returns, the GPU not awaited (host launch
+  time; on CPU the work itself);
+- ``forward_ms``: the same forward followed by a device synchronize;
+- ``allreduce_launch_us`` / ``allreduce_ms``: the forward's all-reduces alone (``2 * num_layers + 1``
+  calls on a ``[n, hidden]`` tensor, as DecoderLayer and the vocab-parallel embedding issue them):
+  host time per call, and the whole sequence with a synchronize (0 calls at TP=1).
+
+Medians over the reps. ``launch_ms`` close to ``forward_ms`` means the step is bound by the host.
+Rank 0 writes ``<out>/<model>_tp<k>/prefill_host.json`` (rows, args, config, provenance): not a
+cell folder (the serving analysis skips it); ``analysis/prefill_host.py`` tabulates it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from granikv import rawio
+from granikv.config import RunConfig
+from granikv.engine.engine import Engine
+from granikv.engine.runner import _WriteThen
+from granikv.engine.scheduler import PrefillChunk, Seq
+from granikv.engine.systems import system_config
+from granikv.request import Request
+from runners.engine_bench import init_tp, load_hardware, load_model
+
+FILE = "prefill_host.json"
+
+
+def _align(engine: Engine) -> None:
+    """Drain this rank's GPU work, then meet the other ranks (on the host), so each timed run starts together."""
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    if engine.tp.size > 1:
+        dist.all_reduce(torch.zeros(1, device=engine.tp.host_device))
+
+
+def _sync(engine: Engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median_ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e3
+
+
+def time_tokens(engine: Engine, n: int, reps: int, warmup: int, seed: int) -> dict:
+    """One row: the timings of a prefill of ``n`` new tokens (see the module doc)."""
+    m = engine.cfg.model
+    if n + 1 > engine.kv.capacity_tokens - engine.kv.hot_tokens:
+        raise ValueError(f"--tokens: {n} tokens do not fit the KV budget's "
+                         f"{engine.kv.capacity_tokens - engine.kv.hot_tokens} COLD slots; lower it")
+    rng = random.Random(seed + n)
+    req = Request(0, [rng.randrange(m.vocab_size) for _ in range(n)], output_len=1)
+    seq = Seq(req, 0)
+    seq.slots = engine.kv.cold_pool.alloc(n)            # [n] slot ids on the device
+    seq.row = 0
+    chunk = PrefillChunk(seq, 0, n)
+    dev = engine.device
+    ids = torch.tensor(req.prompt_ids, dtype=torch.int64, device=dev)  # [n]
+    pos = torch.arange(n, device=dev)                                  # [n]
+    x = torch.randn(n, m.hidden_size, device=dev, dtype=engine.dtype)  # [n, H], an all-reduce operand
+    calls = (2 * m.num_layers + 1) if engine.tp.size > 1 else 0
+    step, launch, fwd, ar_launch, ar = [], [], [], [], []
+    with torch.inference_mode():
+        for r in range(warmup + reps):
+            keep = r >= warmup
+            _align(engine)
+            t = time.perf_counter()
+            engine.runner.prefill([chunk])
+            if keep:
+                step.append(time.perf_counter() - t)
+            # the forward alone, planned as the step plans it
+            engine.prefill_attn.plan(torch.tensor([0, n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32),
+                                     seq.slots)
+            hook = _WriteThen(engine.kv, seq.slots, engine.prefill_attn)
+            _align(engine)
+            t = time.perf_counter()
+            engine.model(ids, pos, hook)
+            t1 = time.perf_counter()
+            _sync(engine)
+            t2 = time.perf_counter()
+            if keep:
+                launch.append(t1 - t)
+                fwd.append(t2 - t)
+            if calls:
+                _align(engine)
+                t = time.perf_counter()
+                for _ in range(calls):
+                    engine.tp.all_reduce(x)
+                t1 = time.perf_counter()
+                _sync(engine)
+                t2 = time.perf_counter()
+                if keep:
+                    ar_launch.append((t1 - t) / calls)
+                    ar.append(t2 - t)
+    engine.kv.cold_pool.free(seq.slots)
+    return {"tokens": n, "reps": reps, "step_ms": _median_ms(step), "launch_ms": _median_ms(launch),
+            "forward_ms": _median_ms(fwd), "allreduce_calls": calls,
+            "allreduce_launch_us": _median_ms(ar_launch) * 1e3 if ar_launch else 0.0,
+            "allreduce_ms": _median_ms(ar) if ar else 0.0,
+            "step_ms_all": [s * 1e3 for s in step]}
+
+
+def main(argv=None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--hardware", default="cpu")
+    ap.add_argument("--kv-budget-tokens", type=int, default=None, help="hardware.kv_budget_tokens override")
+    ap.add_argument("--tokens", default="16,128,512,2048", help="comma-separated new-token counts")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="results/raw/prefill_host")
+    args = ap.parse_args(argv)
+    try:
+        tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+    except ValueError as e:
+        raise SystemExit(f"--tokens {args.tokens!r}: give whole numbers separated by commas ({e})") from e
+    if not tokens or min(tokens) < 1:
+        raise SystemExit(f"--tokens {args.tokens!r}: give at least one count >= 1")
+    if args.reps < 1 or args.warmup < 0:
+        raise SystemExit("--reps must be >= 1 and --warmup >= 0")
+    model = load_model(args.model)
+    hw = load_hardware(args.hardware, {"kv_budget_tokens": args.kv_budget_tokens})
+    tp = init_tp(model, hw)
+    cfg = RunConfig(model=model, system=system_config("sglang_default"), hardware=hw, seed=args.seed,
+                    sweep_name="prefill_host", tp=tp)
+    prov = rawio.provenance()
+    engine = Engine(cfg)
+    rows = []
+    for n in tokens:
+        rows.append(time_tokens(engine, n, args.reps, args.warmup, args.seed))
+        r = rows[-1]
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"[prefill_bench] {model.name} TP={tp} n={n}: step {r['step_ms']:.2f} ms, launch "
+                  f"{r['launch_ms']:.2f} ms, forward {r['forward_ms']:.2f} ms, all-reduce "
+                  f"{r['allreduce_calls']} x {r['allreduce_launch_us']:.1f} us launch, {r['allreduce_ms']:.2f} ms", flush=True)
+    out = Path(args.out) / f"{model.name}_tp{tp}"
+    if int(os.environ.get("RANK", "0")) == 0:
+        rawio.write_json(out / FILE, {"rows": rows, "bench": vars(args), "config": dataclasses.asdict(cfg),
+                                      "fused_ops": engine.fused_ops, "provenance": prov})
+    return out
+
+
+if __name__ == "__main__":
+    main()
