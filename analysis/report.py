@@ -132,6 +132,40 @@ def steps_line(res: Results, claim: pd.Series, cache: dict) -> str:
             "total prefill time; below 1 = GraniKV spends less): " + "; ".join(parts) + " (tables/headline_steps).")
 
 
+# Vendor datasheet figures (dense bf16 tensor-core peak, HBM bandwidth): what an absolute time can be
+# compared against across GPUs. Facts about the hardware, not results.
+DATASHEET = {
+    "A100-SXM4-40GB": {"tflops_bf16": 312.0, "hbm_tbps": 1.555},
+    "NVIDIA H200": {"tflops_bf16": 989.0, "hbm_tbps": 4.8},
+}
+
+
+def absolute_line(ev: pd.DataFrame, claim: pd.Series) -> str:
+    """For an absolute (hardware-dependent) claim: the datasheet ratios of our GPU to the paper's, our
+    number's ratio to the paper's, and the hardware-independent ratio claim of the same cell, if any."""
+    if "absolute" not in str(claim.get("comparison", "")):
+        return ""
+    ours, paper = pd.to_numeric(claim["ours"], errors="coerce"), pd.to_numeric(claim["paper_value"], errors="coerce")
+    gpu = str(claim["our_hardware"]).split(",")[0].strip()
+    a, b = DATASHEET.get(PAPER_HARDWARE), DATASHEET.get(gpu)
+    parts = []
+    if a and b:
+        parts.append(f"Absolute times depend on the GPU: {gpu} over {PAPER_HARDWARE} is "
+                     f"{b['hbm_tbps'] / a['hbm_tbps']:.2f}x in HBM bandwidth and {b['tflops_bf16'] / a['tflops_bf16']:.2f}x "
+                     "in bf16 peak (vendor datasheets)")
+    else:
+        parts.append(f"Absolute times depend on the GPU (no datasheet entry for {gpu or '?'})")
+    if np.isfinite(ours) and np.isfinite(paper) and ours > 0:
+        parts.append(f"ours is {paper / ours:.2f}x {'lower' if ours < paper else 'higher'} than the paper's")
+    sel = {k: v for k, v in parse_selectors(claim["selectors"]).items() if k != "system.name"}
+    twins = ev[(ev["unit"] == "x") & (ev["id"] != claim["id"]) & (ev["metric"] == claim["metric"]) & ev["selectors"].map(
+        lambda t: {k: v for k, v in parse_selectors(t).items() if k != "system.name"} == sel)]
+    for _, t in twins.iterrows():
+        parts.append(f"the hardware-independent claim on the same cell, `{t['id']}`, is {t['verdict']} "
+                     f"(paper {paper_shown(t)}, ours {t['ours_shown'] or 'not measured'})")
+    return "; ".join(parts) + "."
+
+
 SHORT = 0.10        # a reproduced point claim this far on the weaker side of the paper's value gets explained
 
 
@@ -211,6 +245,8 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
     for _, c in diff.iterrows():
         if "tables/dispatch_overhead" in str(c["source"]):
             why = dispatch_line(res, cache)
+        elif "absolute" in str(c.get("comparison", "")):
+            why = absolute_line(ev, c)
         else:
             steps = steps_line(res, c, cache) if "tables/headline" in str(c["source"]) else ""
             why = f"{steps + ' ' if steps else ''}{roofline_line(res, c, cache)}"

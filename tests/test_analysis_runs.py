@@ -314,3 +314,25 @@ def test_report_says_which_cells_shared_the_host(res):
     line = hardware_summary(type(res)(root=res.root, cells=shared, failures=res.failures, kernels=res.kernels))
     assert line == [f"no GPU (CPU): {len(res.cells)} cells (2 of them while another sweep ran on the host's "
                     "other GPU; provenance concurrent_sweeps)"]
+
+
+def test_report_explains_an_absolute_time_by_the_hardware():
+    from analysis.report import DATASHEET, absolute_line
+    ev = pd.DataFrame([
+        {"id": "abs", "comparison": "absolute (hardware-dependent)", "ours": 40.0, "paper_value": "100",
+         "paper_value_hi": "", "check": "point", "unit": "ms", "metric": "tpot_p50_ms", "our_hardware": "NVIDIA H200",
+         "selectors": "workload.prefix_len=8192;system.name=sglang_default", "verdict": "not reproduced", "ours_shown": "40"},
+        {"id": "rel", "comparison": "ratio", "ours": 2.5, "paper_value": "2.6", "paper_value_hi": "", "check": "point",
+         "unit": "x", "metric": "tpot_p50_ms", "our_hardware": "NVIDIA H200",
+         "selectors": "workload.prefix_len=8192;system.name=granikv", "verdict": "reproduced", "ours_shown": "2.50"},
+        {"id": "other", "comparison": "ratio", "ours": 2.0, "paper_value": "2", "paper_value_hi": "", "check": "point",
+         "unit": "x", "metric": "tpot_p50_ms", "our_hardware": "NVIDIA H200",
+         "selectors": "workload.prefix_len=512;system.name=granikv", "verdict": "reproduced", "ours_shown": "2.00"}])
+    line = absolute_line(ev, ev.iloc[0])
+    bw = DATASHEET["NVIDIA H200"]["hbm_tbps"] / DATASHEET["A100-SXM4-40GB"]["hbm_tbps"]
+    assert f"{bw:.2f}x in HBM bandwidth" in line and "ours is 2.50x lower" in line
+    assert "`rel`, is reproduced (paper 2.6 x, ours 2.50)" in line and "`other`" not in line
+    assert absolute_line(ev, ev.iloc[1]) == ""                       # a ratio claim: not an absolute time
+    unknown = ev.iloc[0].copy()
+    unknown["our_hardware"] = "NVIDIA L4"
+    assert "no datasheet entry for NVIDIA L4" in absolute_line(ev, unknown)
