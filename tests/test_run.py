@@ -308,3 +308,30 @@ def test_tp_clock_broadcasts_a_host_tensor(monkeypatch):
     eng.tp, eng.device = tp, torch.device("cuda")    # the old clock put its tensor here
     eng._clock(0.0, need_sync=True)
     assert devices == ["cpu"]
+
+
+def test_tp4_headline_preset_under_torchrun(tmp_path):
+    """Issue #8's run (the Qwen2.5-32B headline preset at TP=4, `GRANIKV_TP=4 runners/gpu/sweep.sh
+    headline_qwen25_32b`) on 4 CPU processes (gloo): the same preset and launcher, a tiny model with
+    4 KV heads, 2 ShareGPT requests; rank 0 writes each cell once, and the systems agree token for token."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    p = subprocess.run([str(torchrun), "--nproc_per_node=4", "-m", "runners.run", "-m", "sweep=headline_qwen25_32b",
+                        "model=tiny", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=8", "hardware=cpu",
+                        "workload.prefix_len=64", "workload.batch=2", "workload.num_requests=2", "warmup_requests=0",
+                        "nvml=false", "system=sglang_default,granikv", "sweep_name=tp4", f"results_dir={tmp_path}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("[runners.run] wrote") == 2          # rank 0 only
+    cells = sorted((tmp_path / "tp4").iterdir())
+    assert len(cells) == 2
+    from analysis.load import load_results
+    assert len(load_results(tmp_path).cells) == 2                # both cells pass the analysis schema
+    outs = []
+    for c in cells:
+        reqs = rawio.read_jsonl(c / "requests.jsonl")
+        assert len(reqs) == 2 and all(len(r["output_ids"]) == r["output_len"] > 0 for r in reqs)
+        cfg = rawio.read_json(c / "config.json")
+        assert cfg["tp"] == 4 and cfg["workload"]["kind"] == "sharegpt" and cfg["workload"]["batch"] == 2
+        outs.append([r["output_ids"] for r in rawio.read_jsonl(c / "requests.jsonl")])
+    assert outs[0] == outs[1] and all(outs[0])
