@@ -129,6 +129,10 @@ class HardwareConfig:
     decision_table: Optional[list[dict[str, Any]]] = None  # fitted by runners.calibrate
     overlap_schedule: bool = True     # SGLang's default: launch decode step t+1 before reading step t's tokens
     fused_ops: str = "auto"           # RMSNorm/RoPE/SiLU-mul as FlashInfer's fused kernels (SGLang's): auto = on CUDA | on | off
+    # TP all-reduce: nccl (torch.distributed) | symm_one_shot (torch symmetric-memory one-shot kernel over
+    # NVLink for messages up to allreduce_symm_max_mib, NCCL above; SGLang's custom all-reduce plays this role)
+    allreduce: str = "nccl"
+    allreduce_symm_max_mib: float = 8.0   # SGLang's custom all-reduce default limit (8 MiB)
 
     def __post_init__(self):
         _need(self.device in ("cpu", "cuda"), "hardware.device", "cpu | cuda")
@@ -138,6 +142,10 @@ class HardwareConfig:
         _need(self.kv_budget_tokens is None or self.kv_budget_tokens > 0, "hardware.kv_budget_tokens", "must be > 0")
         _need(self.cuda_graph_max_bs >= 0, "hardware.cuda_graph_max_bs", "must be >= 0 (0 = no CUDA graphs)")
         _need(self.chunked_prefill_size > 0, "hardware.chunked_prefill_size", "must be > 0")
+        _need(self.allreduce in ("nccl", "symm_one_shot"), "hardware.allreduce", "nccl | symm_one_shot")
+        _need(self.allreduce != "symm_one_shot" or self.device == "cuda", "hardware.allreduce",
+              "symm_one_shot needs hardware.device=cuda (use nccl; on CPU the TP group is gloo)")
+        _need(self.allreduce_symm_max_mib > 0, "hardware.allreduce_symm_max_mib", "must be > 0")
 
 
 @dataclass

@@ -13,7 +13,9 @@ no cached prefix; ``--reps`` timed runs after ``--warmup`` untimed ones, ranks a
 - ``forward_ms``: the same forward followed by a device synchronize;
 - ``allreduce_launch_us`` / ``allreduce_ms``: the forward's all-reduces alone (``2 * num_layers + 1``
   calls on a ``[n, hidden]`` tensor, as DecoderLayer and the vocab-parallel embedding issue them):
-  host time per call, and the whole sequence with a synchronize (0 calls at TP=1).
+  host time per call, and the whole sequence with a synchronize (0 calls at TP=1);
+- with ``--allreduce symm_one_shot`` (``hardware.allreduce``): the one-shot result's max abs
+  difference from NCCL's on the same tensor, and whether the step's first token is the same.
 
 Medians over the reps. ``launch_ms`` close to ``forward_ms`` means the step is bound by the host.
 Rank 0 writes ``<out>/<model>_tp<k>/prefill_host.json`` (rows, args, config, provenance): not a
@@ -78,6 +80,7 @@ def time_tokens(engine: Engine, n: int, reps: int, warmup: int, seed: int) -> di
     pos = torch.arange(n, device=dev)                                  # [n]
     x = torch.randn(n, m.hidden_size, device=dev, dtype=engine.dtype)  # [n, H], an all-reduce operand
     calls = (2 * m.num_layers + 1) if engine.tp.size > 1 else 0
+    check = _symm_check(engine, x, ids, pos, chunk)
     step, launch, fwd, ar_launch, ar = [], [], [], [], []
     with torch.inference_mode():
         for r in range(warmup + reps):
@@ -116,7 +119,26 @@ def time_tokens(engine: Engine, n: int, reps: int, warmup: int, seed: int) -> di
             "forward_ms": _median_ms(fwd), "allreduce_calls": calls,
             "allreduce_launch_us": _median_ms(ar_launch) * 1e3 if ar_launch else 0.0,
             "allreduce_ms": _median_ms(ar) if ar else 0.0,
-            "step_ms_all": [s * 1e3 for s in step]}
+            "step_ms_all": [s * 1e3 for s in step], **check}
+
+
+def _symm_check(engine: Engine, x: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, chunk: PrefillChunk) -> dict:
+    """With the one-shot all-reduce on: its result against NCCL's on the same ``x [n, H]`` (max abs
+    difference), and whether the prefill step's first token is the same both ways. Empty otherwise."""
+    tp = engine.tp
+    if getattr(tp, "_symm_buf", None) is None:
+        return {}
+    with torch.inference_mode():
+        a = tp.all_reduce(x.clone())
+        saved, tp._symm_buf = tp._symm_buf, None          # this call only: the NCCL path
+        try:
+            b = tp.all_reduce(x.clone())
+            tok_nccl = engine.runner.prefill([chunk])
+        finally:
+            tp._symm_buf = saved
+        tok_symm = engine.runner.prefill([chunk])
+    return {"symm_vs_nccl_max_abs_diff": float((a.float() - b.float()).abs().max()),
+            "symm_vs_nccl_same_token": tok_symm == tok_nccl}
 
 
 def main(argv=None) -> Path:
@@ -128,6 +150,7 @@ def main(argv=None) -> Path:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--allreduce", default="nccl", help="hardware.allreduce: nccl | symm_one_shot (CUDA, TP > 1)")
     ap.add_argument("--out", default="results/raw/prefill_host")
     args = ap.parse_args(argv)
     try:
@@ -139,7 +162,7 @@ def main(argv=None) -> Path:
     if args.reps < 1 or args.warmup < 0:
         raise SystemExit("--reps must be >= 1 and --warmup >= 0")
     model = load_model(args.model)
-    hw = load_hardware(args.hardware, {"kv_budget_tokens": args.kv_budget_tokens})
+    hw = load_hardware(args.hardware, {"kv_budget_tokens": args.kv_budget_tokens, "allreduce": args.allreduce})
     tp = init_tp(model, hw)
     cfg = RunConfig(model=model, system=system_config("sglang_default"), hardware=hw, seed=args.seed,
                     sweep_name="prefill_host", tp=tp)
@@ -153,7 +176,7 @@ def main(argv=None) -> Path:
             print(f"[prefill_bench] {model.name} TP={tp} n={n}: step {r['step_ms']:.2f} ms, launch "
                   f"{r['launch_ms']:.2f} ms, forward {r['forward_ms']:.2f} ms, all-reduce "
                   f"{r['allreduce_calls']} x {r['allreduce_launch_us']:.1f} us launch, {r['allreduce_ms']:.2f} ms", flush=True)
-    out = Path(args.out) / f"{model.name}_tp{tp}"
+    out = Path(args.out) / (f"{model.name}_tp{tp}" + ("" if hw.allreduce == "nccl" else f"_{hw.allreduce}"))
     if int(os.environ.get("RANK", "0")) == 0:
         rawio.write_json(out / FILE, {"rows": rows, "bench": vars(args), "config": dataclasses.asdict(cfg),
                                       "fused_ops": engine.fused_ops, "provenance": prov})

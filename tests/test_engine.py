@@ -377,3 +377,41 @@ def test_class_rows_are_consecutive_for_class_splitting_backends():
         if grouped:
             assert all(o == sorted(o) for o in orders)
     assert any(o != sorted(o) for o in orders)           # sglang_default: arrival order, classes interleaved
+
+
+def test_tp_all_reduce_routes_small_messages_to_the_one_shot_kernel(monkeypatch):
+    """TPGroup.all_reduce with hardware.allreduce=symm_one_shot (the GPU path, exercised here with a
+    stand-in kernel): a message that fits the staging buffer (same dtype and device) goes to the
+    one-shot op on a slot of that buffer shaped as the message; anything else stays on
+    torch.distributed (NCCL on the GPU)."""
+    import torch.distributed as dist
+
+    from granikv.engine.model import TPGroup
+    tp = TPGroup(1)
+    tp.size = 2                                   # as a 2-rank group would be, without one
+    calls = []
+    monkeypatch.setattr(dist, "all_reduce", lambda x: calls.append(("dist", tuple(x.shape))))
+
+    def one_shot(staged, x, op, group):
+        calls.append(("one_shot", tuple(staged.shape), op, group))
+        assert staged.data_ptr() == tp._symm_buf.data_ptr() and torch.equal(staged, torch.zeros_like(staged))
+        return x * 2                              # what the sum over 2 equal ranks gives
+
+    tp._symm_buf, tp._symm_group, tp._one_shot = torch.zeros(64), "g0", one_shot
+    x = torch.ones(4, 8)
+    assert torch.equal(tp.all_reduce(x), torch.full((4, 8), 2.0))
+    big = torch.ones(9, 8)                        # 72 > 64 elements: NCCL
+    assert tp.all_reduce(big) is big
+    other = torch.ones(2, 4, dtype=torch.float64)  # another dtype: NCCL
+    assert tp.all_reduce(other) is other
+    assert calls == [("one_shot", (4, 8), "sum", "g0"), ("dist", (9, 8)), ("dist", (2, 4))]
+    tp._symm_buf = None                           # hardware.allreduce=nccl: never the one-shot op
+    tp.all_reduce(x)
+    assert calls[-1] == ("dist", (4, 8))
+    alone = TPGroup(1)
+    alone.use_symm_one_shot(torch.device("cpu"), torch.float32, 1024)   # TP=1: nothing to set up
+    assert alone._symm_buf is None
+    cpu = TPGroup(1)
+    cpu.size = 2
+    with pytest.raises(ValueError, match="hardware.allreduce"):          # CPU tensors: no one-shot kernel
+        cpu.use_symm_one_shot(torch.device("cpu"), torch.float32, 1024)

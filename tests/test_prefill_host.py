@@ -46,6 +46,7 @@ def test_bench_writes_one_file_per_tp_with_its_rows(out):
 def test_table_carries_the_files_numbers(out, tmp_path):
     t = prefill_host.load(out)
     assert list(zip(t["tp"], t["tokens"])) == [(1, 8), (1, 32), (2, 8), (2, 32)]
+    assert set(t["allreduce"]) == {"nccl"} and t["symm_vs_nccl_max_abs_diff"].isna().all()
     d = read_json(out / "prefill_host" / "tiny_tp2" / "prefill_host.json")
     row = t[(t["tp"] == 2) & (t["tokens"] == 32)].iloc[0]
     src = d["rows"][1]
@@ -88,7 +89,7 @@ def test_bad_tokens_argument():
 
 def test_expected_row_filled_when_measured(out, tmp_path, monkeypatch):
     from analysis.load import load_results
-    monkeypatch.setattr(prefill_host, "EXPECTED", (("tiny", 1), ("tiny", 3)))
+    monkeypatch.setattr(prefill_host, "EXPECTED", (("tiny", 1, "nccl"), ("tiny", 3, "nccl")))
     monkeypatch.setattr(prefill_host, "TOKENS", (8, 32))
     t = prefill_host.build(load_results(out), tmp_path / "o")
     got = t.set_index(["tp", "tokens"])["status"].to_dict()

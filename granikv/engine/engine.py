@@ -110,6 +110,8 @@ class Engine:
         self.tp = TPGroup(cfg.tp)
         self.device = torch.device(hw.device, torch.cuda.current_device()) if hw.device == "cuda" else torch.device("cpu")
         self.dtype = DTYPES[hw.dtype]
+        if hw.allreduce == "symm_one_shot":   # before the KV budget: its staging buffer takes GPU memory
+            self.tp.use_symm_one_shot(self.device, self.dtype, int(hw.allreduce_symm_max_mib * 2 ** 20))
         self.fused_ops = resolve_fused(hw.fused_ops, self.device)
         # backends that split prefix classes off get each class's decode rows consecutive, so their
         # FlashInfer path slices q / o instead of gathering and scattering per class and layer; the

@@ -48,10 +48,41 @@ class TPGroup:
         self.host_device = torch.device("cpu")
         if size > 1 and "gloo" not in str(dist.get_backend()):
             self.host_device = torch.device("cuda", torch.cuda.current_device())
+        self._symm_buf: torch.Tensor | None = None   # [max_numel] symmetric-memory staging buffer
+        self._symm_group = ""
+        self._one_shot = None
+
+    def use_symm_one_shot(self, device: torch.device, dtype: torch.dtype, max_bytes: int) -> None:
+        """Route all-reduces of up to ``max_bytes`` (``dtype``, on ``device``) through torch's
+        symmetric-memory one-shot kernel (each rank reads every peer's buffer over NVLink and sums;
+        no NCCL launch), as SGLang routes small all-reduces through its custom all-reduce.
+
+        Allocates one staging buffer of ``max_bytes`` per rank and exchanges its handles (a
+        collective: every rank calls this). Larger messages keep NCCL."""
+        if self.size == 1:
+            return
+        if torch.device(device).type != "cuda":
+            raise ValueError("config error at `hardware.allreduce`: symm_one_shot needs CUDA tensors; use nccl")
+        import torch.distributed._symmetric_memory as symm_mem
+
+        numel = max_bytes // torch.empty((), dtype=dtype).element_size()
+        buf = symm_mem.empty(numel, dtype=dtype, device=device)     # [numel]
+        group = dist.group.WORLD
+        symm_mem.rendezvous(buf, group=group)
+        self._symm_buf, self._symm_group = buf, group.group_name
+        self._one_shot = torch.ops.symm_mem.one_shot_all_reduce_copy
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(x)
+        """Sum ``x`` over the group; returns the result (``x`` itself on the NCCL path, a new tensor
+        on the one-shot path: use the return value)."""
+        if self.size == 1:
+            return x
+        buf = self._symm_buf
+        if buf is not None and x.dtype == buf.dtype and x.device == buf.device and x.numel() <= buf.numel():
+            x = x.contiguous()
+            staged = buf.narrow(0, 0, x.numel()).view(x.shape)     # this rank's slot, shaped as x
+            return self._one_shot(staged, x, "sum", self._symm_group)
+        dist.all_reduce(x)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
