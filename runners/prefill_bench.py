@@ -15,7 +15,8 @@ no cached prefix; ``--reps`` timed runs after ``--warmup`` untimed ones, ranks a
   calls on a ``[n, hidden]`` tensor, as DecoderLayer and the vocab-parallel embedding issue them):
   host time per call, and the whole sequence with a synchronize (0 calls at TP=1);
 - with ``--allreduce symm_one_shot`` (``hardware.allreduce``): the one-shot result's max abs
-  difference from NCCL's on the same tensor, and whether the step's first token is the same.
+  difference from NCCL's on the same tensor, whether the step's first token is the same, and
+  (``symm_decode_check``) a small burst served both ways, decode in CUDA graphs: identical outputs?
 
 Medians over the reps. ``launch_ms`` close to ``forward_ms`` means the step is bound by the host.
 Rank 0 writes ``<out>/<model>_tp<k>/prefill_host.json`` (rows, args, config, provenance): not a
@@ -141,6 +142,31 @@ def _symm_check(engine: Engine, x: torch.Tensor, ids: torch.Tensor, pos: torch.T
             "symm_vs_nccl_same_token": tok_symm == tok_nccl}
 
 
+def decode_check(engine: Engine, seed: int, batch: int = 8, prompt: int = 64, out: int = 8) -> dict:
+    """With the one-shot all-reduce on: serve one small burst (``batch`` requests, ``prompt`` tokens,
+    ``out`` output tokens; decode in CUDA graphs on the GPU) with it and again with NCCL (graphs
+    recaptured for each), and compare the output tokens. Empty without the one-shot path."""
+    tp = engine.tp
+    if getattr(tp, "_symm_buf", None) is None:
+        return {}
+    rng = random.Random(seed)
+    vocab = engine.cfg.model.vocab_size
+    reqs = [Request(i, [rng.randrange(vocab) for _ in range(prompt)], out) for i in range(batch)]
+    engine.runner.graphs = {}
+    symm = [r.output_ids for r in engine.run(reqs).records]
+    saved, tp._symm_buf = tp._symm_buf, None
+    try:
+        engine.runner.graphs = {}
+        nccl = [r.output_ids for r in engine.run(reqs).records]
+    finally:
+        tp._symm_buf = saved
+        engine.runner.graphs = {}
+    same = [a == b for a, b in zip(symm, nccl)]
+    first = [next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(symm, nccl)]
+    return {"requests": batch, "output_len": out, "requests_identical": sum(same),
+            "first_difference_min": min(first)}
+
+
 def main(argv=None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny")
@@ -176,9 +202,13 @@ def main(argv=None) -> Path:
             print(f"[prefill_bench] {model.name} TP={tp} n={n}: step {r['step_ms']:.2f} ms, launch "
                   f"{r['launch_ms']:.2f} ms, forward {r['forward_ms']:.2f} ms, all-reduce "
                   f"{r['allreduce_calls']} x {r['allreduce_launch_us']:.1f} us launch, {r['allreduce_ms']:.2f} ms", flush=True)
+    checked = decode_check(engine, args.seed)
+    if checked and int(os.environ.get("RANK", "0")) == 0:
+        print(f"[prefill_bench] one-shot vs NCCL, decode burst: {checked}", flush=True)
     out = Path(args.out) / (f"{model.name}_tp{tp}" + ("" if hw.allreduce == "nccl" else f"_{hw.allreduce}"))
     if int(os.environ.get("RANK", "0")) == 0:
-        rawio.write_json(out / FILE, {"rows": rows, "bench": vars(args), "config": dataclasses.asdict(cfg),
+        rawio.write_json(out / FILE, {"rows": rows, "symm_decode_check": checked, "bench": vars(args),
+                                      "config": dataclasses.asdict(cfg),
                                       "fused_ops": engine.fused_ops, "provenance": prov})
     return out
 

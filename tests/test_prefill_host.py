@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from analysis import prefill_host
 from granikv.rawio import SchemaError, read_json
@@ -96,3 +97,20 @@ def test_expected_row_filled_when_measured(out, tmp_path, monkeypatch):
     assert got[(1, 8)] == got[(1, 32)] == "measured" and got[(2, 8)] == "measured"   # tp=2: extra, measured
     assert got[(3, 8)].startswith("not measured")
     assert list(t["tp"])[:4] == [1, 1, 3, 3]                                          # the expected grid first
+
+
+def test_decode_check_serves_both_ways_and_restores_the_one_shot_path():
+    """decode_check's mechanics on CPU (TP=1, so both passes take the same path and must agree):
+    it runs the burst twice, restores the staging buffer, and leaves no captured graph behind."""
+    from granikv.config import RunConfig
+    from granikv.engine.engine import Engine
+    from granikv.engine.systems import system_config
+    from runners.engine_bench import load_hardware, load_model
+    engine = Engine(RunConfig(model=load_model("tiny"), system=system_config("sglang_default"),
+                              hardware=load_hardware("cpu", {"kv_budget_tokens": 2048})))
+    assert prefill_bench.decode_check(engine, 0) == {}              # NCCL only: nothing to compare
+    marker = torch.zeros(1)
+    engine.tp._symm_buf = marker
+    got = prefill_bench.decode_check(engine, 0, batch=3, prompt=10, out=4)
+    assert got == {"requests": 3, "output_len": 4, "requests_identical": 3, "first_difference_min": 4}
+    assert engine.tp._symm_buf is marker and engine.runner.graphs == {}
