@@ -11,7 +11,8 @@ import pandas as pd
 from analysis import headline_steps
 from analysis.amdahl import amdahl, amdahl_frame
 from analysis.claims import NOT_REPRODUCED, REPRODUCED, evaluate, paper_shown
-from analysis.common import NOT_MEASURED, PAPER_HARDWARE, config_label, fmt, parse_selectors, select, show, write_table
+from analysis.common import (NOT_MEASURED, NULL, PAPER_HARDWARE, config_label, fmt, identity, parse_selectors, select,
+                             show, write_table)
 from analysis.kernel import LAYOUT_BASE, LAYOUT_NUM, kernel_frame, layout_speedup
 from analysis.load import Results
 
@@ -34,6 +35,33 @@ def hardware_summary(res: Results) -> list[str]:
                 "concurrent_sweeps)") if k else ""
         out.append(f"{g}{f' x{fmt(n)}' if n and n == n else ''}: {len(grp)} cells{note}")
     return out
+
+
+def concurrency_check(res: Results, metric: str = "output_throughput_tok_s") -> str:
+    """Configurations measured both alone and while another sweep shared the host
+    (provenance.concurrent_sweeps > 1): the ratio of their mean ``metric``, shared / alone, so a
+    bias from sharing the host is visible before the repetitions are pooled."""
+    c = res.cells
+    col = "provenance.concurrent_sweeps"
+    if c.empty or col not in c.columns or metric not in c.columns:
+        return ""
+    c = c[c["kind"] == "serving"] if "kind" in c.columns else c
+    shared = pd.to_numeric(c[col], errors="coerce").fillna(1) > 1
+    if not shared.any():
+        return ""
+    keys = identity(c, res.config_columns)
+    d = c[keys + [metric]].copy()
+    d[keys] = d[keys].astype(object).where(d[keys].notna(), NULL)
+    d["shared"] = shared.to_numpy()
+    m = d.groupby(keys + ["shared"], dropna=False)[metric].mean().unstack("shared")
+    m = m.dropna(subset=[c for c in (False, True) if c in m.columns]) if {False, True} <= set(m.columns) else m.iloc[0:0]
+    n_shared = int(shared.sum())
+    if m.empty:
+        return (f"{n_shared} cells ran while another sweep shared the host; no configuration was also measured "
+                "alone, so the effect of sharing is not measured.")
+    r = (m[True] / m[False]).to_numpy()
+    return (f"Host sharing: {len(r)} configurations were measured both alone and while another sweep ran on the "
+            f"host's other GPU; {metric} shared / alone: median {np.median(r):.3f} (range {r.min():.3f}-{r.max():.3f}).")
 
 
 def code_versions(res: Results) -> list[str]:
@@ -231,6 +259,7 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
          f"{n_fail} failed, {n_part} unfinished; {len(res.kernels)} kernel rows.", "",
          f"- Paper hardware: {PAPER_HARDWARE} (one host).",
          f"- Our hardware (provenance of the raw results): {'; '.join(hw) if hw else 'none (no finished cells)'}.",
+         *([f"- {conc}"] if (conc := concurrency_check(res)) else []),
          f"- Verdicts over {len(ev)} claims: {int(counts.get(REPRODUCED, 0))} reproduced, "
          f"{int(counts.get(NOT_REPRODUCED, 0))} not reproduced, {int(counts.get(NOT_MEASURED, 0))} not measured.", "",
          "Verdict rule: *reproduced* when our number points the same way as the paper's (ratios: both above or both "

@@ -346,3 +346,25 @@ def test_report_explains_an_absolute_time_by_the_hardware():
     unknown = ev.iloc[0].copy()
     unknown["our_hardware"] = "NVIDIA L4"
     assert "no datasheet entry for NVIDIA L4" in absolute_line(ev, unknown)
+
+
+def test_report_compares_shared_host_cells_with_cells_run_alone(res):
+    from analysis.report import concurrency_check
+    assert concurrency_check(res) == ""                              # nothing shared the host
+    cells = res.cells.copy()
+    serving = cells[(cells["kind"] == "serving") & (cells["system.name"] == "granikv")
+                    & (cells["workload.prefix_len"] == 128) & (cells["workload.batch"] == 4)]
+    twin = serving.iloc[[0]].copy()                                    # the same configuration, another repetition,
+    twin["rep"] = 7                                                    # measured while the host was shared
+    twin["provenance.concurrent_sweeps"] = 2
+    twin["output_throughput_tok_s"] = serving["output_throughput_tok_s"].iloc[0] * 0.9
+    mixed = pd.concat([cells, twin], ignore_index=True)
+    line = concurrency_check(type(res)(root=res.root, cells=mixed, failures=res.failures, kernels=res.kernels,
+                                       config_columns=res.config_columns))
+    assert "1 configurations were measured both alone and while another sweep ran" in line
+    assert "median 0.900" in line
+    alone = cells.copy()
+    alone.loc[serving.index[0], "provenance.concurrent_sweeps"] = 2  # shared, with no twin run alone
+    line = concurrency_check(type(res)(root=res.root, cells=alone, failures=res.failures, kernels=res.kernels,
+                                       config_columns=res.config_columns))
+    assert line.startswith("1 cells ran while another sweep shared the host") and "not measured" in line
