@@ -65,9 +65,15 @@ class TPGroup:
             raise ValueError("config error at `hardware.allreduce`: symm_one_shot needs CUDA tensors; use nccl")
         import torch.distributed._symmetric_memory as symm_mem
 
+        group = dist.group.WORLD
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):   # required by older torch, a no-op warning since
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(group.group_name)
         numel = max_bytes // torch.empty((), dtype=dtype).element_size()
         buf = symm_mem.empty(numel, dtype=dtype, device=device)     # [numel]
-        group = dist.group.WORLD
         symm_mem.rendezvous(buf, group=group)
         self._symm_buf, self._symm_group = buf, group.group_name
         self._one_shot = torch.ops.symm_mem.one_shot_all_reduce_copy
