@@ -66,7 +66,7 @@ class TPGroup:
         import torch.distributed._symmetric_memory as symm_mem
 
         group = dist.group.WORLD
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):   # required by older torch, a no-op warning since
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):   # older torch needs it; newer deprecates it (harmless)
             import warnings
 
             with warnings.catch_warnings():
