@@ -54,7 +54,7 @@ def concurrency_check(res: Results, metric: str = "output_throughput_tok_s") -> 
     d[keys] = d[keys].astype(object).where(d[keys].notna(), NULL)
     d["shared"] = shared.to_numpy()
     m = d.groupby(keys + ["shared"], dropna=False)[metric].mean().unstack("shared")
-    m = m.dropna(subset=[c for c in (False, True) if c in m.columns]) if {False, True} <= set(m.columns) else m.iloc[0:0]
+    m = m.dropna(subset=[False, True]) if {False, True} <= set(m.columns) else m.iloc[0:0]
     n_shared = int(shared.sum())
     if m.empty:
         return (f"{n_shared} cells ran while another sweep shared the host; no configuration was also measured "

@@ -32,6 +32,16 @@ while [ $# -gt 0 ]; do
   PRESETS+=("$1"); shift
 done
 [ ${#PRESETS[@]} -gt 0 ] || { echo "usage: sweep.sh PRESET [PRESET ...] [-- overrides]"; exit 2; }
+TP=${GRANIKV_TP:-1}
+SPLIT=()
+if [ -n "${GRANIKV_GPU_SPLIT:-}" ]; then
+  IFS='|' read -r -a SPLIT <<< "$GRANIKV_GPU_SPLIT"
+  NGPU=${GRANIKV_NGPU:-$($PY -c "import torch; print(torch.cuda.device_count())")}   # GRANIKV_NGPU: CPU tests only
+  if [ "$TP" -gt 1 ] || [ "${#SPLIT[@]}" -gt "$NGPU" ]; then
+    log "ERROR: GRANIKV_GPU_SPLIT has ${#SPLIT[@]} parts for $NGPU GPUs at TP=$TP: it runs TP=1 sweeps, one per GPU"
+    exit 2
+  fi
+fi
 # The engine's fused layer ops (FlashInfer norm / RoPE / SiLU-mul) must match the torch math, and
 # granikv's engine (overlap schedule, CUDA graphs vs eager) the no-cache reference, at this commit
 # before anything is measured (a cold JIT build of the fused ops takes a few minutes, once).
@@ -46,18 +56,8 @@ if [ -z "${GRANIKV_SKIP_FUSED_CHECK:-}" ]; then
   fi
 fi
 MARK=$(mktemp); touch "$MARK"; sleep 1
-TP=${GRANIKV_TP:-1}
 LAUNCH="$PY -m runners.run"
 [ "$TP" -gt 1 ] && LAUNCH="$PY -m torch.distributed.run --standalone --nproc_per_node=$TP -m runners.run"
-SPLIT=()
-if [ -n "${GRANIKV_GPU_SPLIT:-}" ]; then
-  IFS='|' read -r -a SPLIT <<< "$GRANIKV_GPU_SPLIT"
-  NGPU=${GRANIKV_NGPU:-$($PY -c "import torch; print(torch.cuda.device_count())")}   # GRANIKV_NGPU: CPU tests only
-  if [ "$TP" -gt 1 ] || [ "${#SPLIT[@]}" -gt "$NGPU" ]; then
-    log "ERROR: GRANIKV_GPU_SPLIT has ${#SPLIT[@]} parts for $NGPU GPUs at TP=$TP: it runs TP=1 sweeps, one per GPU"
-    exit 2
-  fi
-fi
 for P in "${PRESETS[@]}"; do
   T=$(left)
   if [ "$T" -lt 60 ]; then log "budget spent: $P not started (the next round runs it)"; continue; fi
