@@ -37,6 +37,9 @@ META_PREFIXES = ("cell.", "provenance.")  # cell id / overrides: one per folder,
 # keys that runners.run derives from others (max_running_requests = min(preset, workload.batch)):
 # they never tell two configurations apart on their own
 IMPLIED_KEYS = ("hardware.max_running_requests",)
+# caps on cached engine state that change a run only once reached; the cell's metrics say when it
+# was (cuda_graphs_evicted): cells run before the cap existed (no cap) pool with capped ones
+CAPACITY_KEYS = ("hardware.cuda_graph_max_graphs",)
 SHORT = {"model.name": "model", "tp": "tp", "workload.prefix_len": "Lp", "workload.batch": "B",
          "workload.num_prefixes": "k", "hardware.name": "hardware", "workload.kind": "workload"}
 THROUGHPUT = "output_throughput_tok_s"
@@ -133,7 +136,7 @@ def select(df: pd.DataFrame, selectors: dict[str, str]) -> pd.DataFrame:
 
 def identity(df: pd.DataFrame, config_cols: Iterable[str]) -> list[str]:
     """Columns that identify a configuration (config keys present in ``df``, minus META_KEYS)."""
-    return sorted(c for c in config_cols if c in df.columns and c not in META_KEYS + IMPLIED_KEYS
+    return sorted(c for c in config_cols if c in df.columns and c not in META_KEYS + IMPLIED_KEYS + CAPACITY_KEYS
                   and not c.startswith(META_PREFIXES))
 
 

@@ -121,6 +121,9 @@ class HardwareConfig:
     kv_budget_per_model: Optional[dict[str, int]] = None  # preset budgets by model name (a100_40gb)
     mem_fraction: float = 0.85        # SGLang's mem_fraction_static analogue
     cuda_graph_max_bs: int = 256      # SGLang default on this GPU class
+    # captured decode graphs kept at once (least recently replayed evicted first; 0 = no limit). A graph
+    # is per (batch size, step structure); multi-prefix steps change structure as classes shrink
+    cuda_graph_max_graphs: int = 128
     chunked_prefill_size: int = 8192  # SGLang default
     max_running_requests: int = 1024
     gpu_memory_gib: float = 0.0       # per-GPU memory (0 = unknown); used to estimate the KV budget up front
@@ -141,6 +144,7 @@ class HardwareConfig:
         _need(0.0 < self.mem_fraction <= 1.0, "hardware.mem_fraction", "must be in (0, 1]")
         _need(self.kv_budget_tokens is None or self.kv_budget_tokens > 0, "hardware.kv_budget_tokens", "must be > 0")
         _need(self.cuda_graph_max_bs >= 0, "hardware.cuda_graph_max_bs", "must be >= 0 (0 = no CUDA graphs)")
+        _need(self.cuda_graph_max_graphs >= 0, "hardware.cuda_graph_max_graphs", "must be >= 0 (0 = no limit)")
         _need(self.chunked_prefill_size > 0, "hardware.chunked_prefill_size", "must be > 0")
         _need(self.allreduce in ("nccl", "symm_one_shot"), "hardware.allreduce", "nccl | symm_one_shot")
         _need(self.allreduce != "symm_one_shot" or self.device == "cuda", "hardware.allreduce",

@@ -318,3 +318,31 @@ def test_grouped_rows_take_the_slice_path():
     out = be.run(torch.randn(batch.batch_size, 8, 8), k, v)
     assert out.shape == (batch.batch_size, 8, 8)
     assert all(c.row_start >= 0 for c in be._plan.classes)
+
+
+def test_hydragen_graph_sets_share_one_scratch_and_release_frees_a_set():
+    """Every graph-mode wrapper set of a HydraGen backend gathers into ONE scratch pair (a set per
+    structure kept its own before: hundreds of multi-prefix structures pinned tens of GiB on the
+    H200, OOM 2026-11-30); a longer prefix grows it to the next power of two; release_graph drops
+    exactly the set of its key."""
+    be = _make("hydragen", 8, 2, 8, True)
+    keys, sets = [], []
+    for seed, lps, sizes in ((1, [50, 30], [3, 2]), (2, [50, 30], [2, 2]), (3, [40], [4])):
+        k, v, b = make_step(seed, 2, 8, lps, sizes, [False] * len(lps), max_suffix=3, grouped=True)
+        be.plan(b)
+        keys.append(be.graph_key())
+        sets.append(be._gpu.current)
+        q = torch.randn(b.batch_size, 8, 8)
+        ref, _ = R.paged_decode_ref(q, k, v, b.kv_indptr, b.kv_indices)
+        assert rel_err(be.run(q, k, v), ref) <= 1e-5    # sets sharing the scratch stay exact
+    assert len(set(keys)) == 3 and len({id(s) for s in sets}) == 3
+    ptrs = {s.scratch_k.data_ptr() for s in sets} | {s.scratch_v.data_ptr() for s in sets}
+    assert len(ptrs) == 2                               # one K and one V scratch for all sets
+    assert sets[0].scratch_k.shape[0] == 64             # max Lp 50 -> next power of two
+    k, v, b = make_step(4, 2, 8, [100], [2], [False], max_suffix=3, grouped=True)
+    be.plan(b)
+    grown = be._gpu.current
+    assert grown.scratch_k.shape[0] == 128 and grown.scratch_k.data_ptr() != sets[0].scratch_k.data_ptr()
+    assert sets[0].scratch_k.shape[0] == 64             # older sets (captured graphs) keep their pair
+    be.release_graph(keys[1])
+    assert keys[1] not in be._gpu.sets and keys[0] in be._gpu.sets and keys[2] in be._gpu.sets

@@ -234,6 +234,11 @@ class PrefixAttentionBackend:
                     for c in p.classes if c.choice != "paged")
         return (self.name, p.batch_size, _pow2(p.rest_indices.numel()), cls)
 
+    def release_graph(self, key: tuple) -> None:
+        """Free what a captured graph of ``key`` (a graph_key()) pinned: its wrapper set's buffers."""
+        if self._gpu is not None:
+            self._gpu.release(key)
+
     def _require_plan(self) -> StepPlan:
         if self._plan is None:
             raise RuntimeError(f"{self.name}.run called before plan()")

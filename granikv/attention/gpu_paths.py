@@ -37,6 +37,20 @@ def multilevel_cascade(be, split: list) -> bool:
     return be.name == "cascade" and be.cascade_impl == "multilevel" and bool(split)
 
 
+def shared_scratch(be, lp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """HydraGen's gather scratch, ONE pair per backend (K, V: [>= lp, Hkv, D]), grown to the next
+    power of two when a longer prefix comes. Every wrapper set (and so every captured graph) of the
+    backend points at it: steps run one after another, and a layer's scratch is dead once its
+    attention returns. A set per structure kept its own copy before (2 x 16 MiB per set at Lp=8K,
+    Llama-3.1-8B): hundreds of multi-prefix structures pinned tens of GiB (OOM, 2026-11-30)."""
+    cur = getattr(be, "_scratch", None)
+    if cur is None or cur[0].shape[0] < lp:
+        n = 1 << max(0, lp - 1).bit_length()
+        k = torch.empty(n, be.hkv, be.d, dtype=be.dtype, device=be.device)
+        cur = be._scratch = (k, torch.empty_like(k))   # graphs captured on the old pair keep it alive
+    return cur
+
+
 class WrapperSet:
     """FlashInfer wrappers + persistent buffers for one step structure (see module doc)."""
 
@@ -81,8 +95,7 @@ class WrapperSet:
         if lp_h:
             self.slots_buf = torch.zeros(sum(c.prefix_len for c in split if c.choice == "hydragen"),
                                          dtype=torch.int64, device=dev)
-            self.scratch_k = torch.empty(lp_h, be.hkv, be.d, dtype=be.dtype, device=dev)
-            self.scratch_v = torch.empty_like(self.scratch_k)
+            self.scratch_k, self.scratch_v = shared_scratch(be, lp_h)
 
     def plan(self, p) -> None:
         be = self.be
@@ -234,6 +247,10 @@ class GpuPaths:
         if need and (ws.slots_buf is None or ws.slots_buf.numel() < sum(need) or ws.scratch_k.shape[0] < max(need)):
             return False
         return True
+
+    def release(self, key) -> None:
+        """Drop the graph-mode wrapper set of ``key`` (its captured graph was evicted)."""
+        self.sets.pop(key, None)
 
     def run(self, p, q, k_cache, v_cache) -> torch.Tensor:
         return self.current.run(p, q, k_cache, v_cache)

@@ -18,6 +18,8 @@ streaming server would send it. A prefill step first reads back the step in flig
 """
 from __future__ import annotations
 
+import gc
+import itertools
 import os
 import time
 from collections import Counter
@@ -47,8 +49,17 @@ class RunResult:
     stats: dict = field(default_factory=dict)
 
 
-def kv_budget_tokens(cfg: RunConfig, bytes_per_token: int, device: torch.device) -> int:
-    """KV slots: fixed ``kv_budget_tokens``, else the per-model preset, else mem_fraction of GPU memory."""
+STALE_GPU_BYTES = 2 << 30   # allocated beyond this engine's own tensors at budget time: an earlier engine's
+
+
+def kv_budget_tokens(cfg: RunConfig, bytes_per_token: int, device: torch.device, own_bytes: int = 0) -> int:
+    """KV slots: fixed ``kv_budget_tokens``, else the per-model preset, else mem_fraction of GPU memory.
+
+    ``own_bytes``: what this engine holds already (weights). A GPU budget is taken from free memory,
+    so memory still held by an earlier engine of the same process (a sweep runs its cells in one
+    process; reference cycles free an engine only at the next garbage collection) would shrink this
+    cell's budget: seen 2026-11-30, budgets of one multi-prefix sweep ranged 384K-870K tokens. The
+    garbage is collected first, and memory still held beyond ``own_bytes`` + 2 GiB is an error."""
     hw = cfg.hardware
     if hw.kv_budget_tokens is not None:
         return int(hw.kv_budget_tokens)
@@ -61,7 +72,14 @@ def kv_budget_tokens(cfg: RunConfig, bytes_per_token: int, device: torch.device)
         raise ValueError("config error at `hardware.kv_budget_tokens`: required on CPU (there is no "
                          "free GPU memory to take a mem_fraction of); e.g. hardware.kv_budget_tokens=4096")
     torch.cuda.synchronize()
+    gc.collect()              # an earlier engine of this process, freed only through a reference cycle
     torch.cuda.empty_cache()  # the weights' fp32 staging copies are cached, not used
+    held = torch.cuda.memory_allocated(device)
+    if held > own_bytes + STALE_GPU_BYTES:
+        raise RuntimeError(f"{held / 2**30:.1f} GiB of GPU memory are allocated before the KV pool, "
+                           f"{(held - own_bytes) / 2**30:.1f} GiB beyond this engine's weights: an earlier "
+                           f"engine of this process is still referenced, and the KV budget (hardware.mem_fraction "
+                           f"of free memory) would be smaller than its neighbours'. Run the cell in a fresh process.")
     free, total = torch.cuda.mem_get_info(device)
     avail = free - total * (1.0 - hw.mem_fraction)  # SGLang's mem_fraction_static rule
     n = int(avail // bytes_per_token)
@@ -117,10 +135,14 @@ class Engine:
         # FlashInfer path slices q / o instead of gathering and scattering per class and layer; the
         # SGLang baselines keep the scheduler's order (SGLang does not reorder its batch)
         self.group_rows = cfg.system.backend in ("hydragen", "granikv")
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)   # gpu_peak_allocated_gib: this engine's peak
         self.model = CausalLM(m, self.tp, cfg.seed, self.device, self.dtype, fused_ops=self.fused_ops)
         hkv, hq = m.num_kv_heads // cfg.tp, m.num_heads // cfg.tp
         bytes_per_token = 2 * m.num_layers * hkv * m.head_dim * self.model.embed.element_size()
-        budget = kv_budget_tokens(cfg, bytes_per_token, self.device)
+        own = sum(t.numel() * t.element_size() for t in itertools.chain(self.model.parameters(), self.model.buffers()))
+        budget = kv_budget_tokens(cfg, bytes_per_token, self.device, own_bytes=own)
+        self._alloc_at_budget = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.kv = KVCache(m.num_layers, budget, hkv, m.head_dim, system.hot_fraction, self.dtype, self.device)
         if self.kv.capacity_tokens - self.kv.hot_tokens < 2:
             raise ValueError(f"config error at `hardware.kv_budget_tokens`: {budget} tokens leave no COLD slots")
@@ -133,7 +155,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv, self.storage, self.backend, self.prefill_attn,
                                   max_rows=hw.max_running_requests, max_len=1,
                                   cuda_graph_max_bs=hw.cuda_graph_max_bs, use_graphs=use_graphs,
-                                  pad=bool(pad_batches))
+                                  pad=bool(pad_batches), max_graphs=hw.cuda_graph_max_graphs)
 
     # ------------------------------------------------------------------ checks
     def validate(self, requests: list[Request]) -> None:
@@ -273,6 +295,15 @@ class Engine:
                              output_ids=list(s.output_ids), token_times_s=list(s.token_times),
                              cached_len=s.reused, prefix_class=s.req.prefix_class, prefix_where=s.where)
 
+    def _memory_stats(self) -> dict:
+        """GPU memory (GiB): allocated when the KV budget was taken (weights and the like) and the
+        peak since this engine was built (warm-up included). Empty on CPU."""
+        if self.device.type != "cuda":
+            return {}
+        return {"gpu_allocated_at_kv_budget_gib": self._alloc_at_budget / 2**30,
+                "gpu_peak_allocated_gib": torch.cuda.max_memory_allocated(self.device) / 2**30,
+                "gpu_total_gib": torch.cuda.get_device_properties(self.device).total_memory / 2**30}
+
     def _stats(self, steps: list[dict], duration: float, capture_s: float) -> dict:
         counts: Counter = Counter()
         for st in steps:
@@ -286,7 +317,9 @@ class Engine:
             "hot_peak_tokens": st.peak_hot, "cold_peak_tokens": st.peak_cold,
             "evicted_tokens": st.index.evicted_tokens, "admissions": dict(st.admission.counts),
             "cuda_graph_sizes_captured": sorted({k[0] for k in self.runner.graphs}),
-            "cuda_graphs_captured": len(self.runner.graphs), "cuda_graph_capture_s": capture_s,
+            "cuda_graphs_captured": self.runner.graphs_captured, "cuda_graph_capture_s": capture_s,
+            "cuda_graphs_held": len(self.runner.graphs), "cuda_graphs_evicted": self.runner.graphs_evicted, "cuda_graph_max_graphs": self.runner.max_graphs,
+            **self._memory_stats(),
             "eager_decode_reasons": dict(self.runner.eager_reasons),
             "num_steps": len(steps), "num_decode_steps": sum(s["kind"] == "decode" for s in steps),
             "tp": self.tp.size, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),

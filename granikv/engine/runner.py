@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
+from collections import OrderedDict
 
 import torch
 
@@ -99,7 +100,8 @@ class ModelRunner:
     """
 
     def __init__(self, model: CausalLM, kv: KVCache, storage: Storage, backend, prefill_attn,
-                 max_rows: int, max_len: int, cuda_graph_max_bs: int, use_graphs: bool, pad: bool):
+                 max_rows: int, max_len: int, cuda_graph_max_bs: int, use_graphs: bool, pad: bool,
+                 max_graphs: int = 0):
         self.model, self.kv, self.storage = model, kv, storage
         self.backend, self.prefill_attn = backend, prefill_attn
         self.device = kv.device
@@ -111,7 +113,10 @@ class ModelRunner:
         self.pad_into_class = getattr(backend, "name", "paged") in ("cascade", "dense", "hydragen", "granikv")
         self._pad_class = None            # Seq.order of the request whose prefix pad_class_row holds
         self.table = torch.zeros(max_rows + 2, max_len, dtype=torch.int64, device=self.device)  # [rows+2, max_len]
-        self.graphs: dict[tuple, tuple] = {}   # (padded bs, graph key) -> (graph, logits)
+        self.graphs: OrderedDict[tuple, tuple] = OrderedDict()  # (padded bs, graph key) -> (graph, logits), LRU order
+        self.max_graphs = max_graphs      # 0 = keep every captured graph
+        self.graphs_captured = 0          # captures so far (evicted ones included)
+        self.graphs_evicted = 0
         self.graph_pool = None
         self.capture_s = 0.0
         self.eager_reasons: dict[str, int] = {}
@@ -261,6 +266,7 @@ class ModelRunner:
         self.slot_buf[:bs].copy_(slots)
         key = (bs, self.backend.graph_key() if hasattr(self.backend, "graph_key") else None)
         if key not in self.graphs:
+            self._evict_for_capture()
             t0 = time.perf_counter()
             hook = _WriteThen(self.kv, self.slot_buf[:bs], self.backend)
             ids_v, pos_v = self.ids_buf[:bs], self.pos_buf[:bs]
@@ -275,8 +281,36 @@ class ModelRunner:
             if self.graph_pool is None:
                 self.graph_pool = g.pool()
             self.graphs[key] = (g, out)
+            self.graphs_captured += 1
             torch.cuda.synchronize()
             self.capture_s += time.perf_counter() - t0
+        self.graphs.move_to_end(key)
         g, out = self.graphs[key]
         g.replay()
         return out
+
+    def _evict_for_capture(self) -> None:
+        """Make room for one more graph: drop the least recently replayed ones (and the wrapper sets
+        they pinned) down to ``max_graphs - 1``. The graphs share one memory pool, so a dropped
+        graph's activations are reused by the next capture."""
+        if self.max_graphs and len(self.graphs) >= self.max_graphs and self.device.type == "cuda":
+            torch.cuda.synchronize()      # no replay of a graph about to be destroyed is in flight
+        while self.max_graphs and len(self.graphs) >= self.max_graphs:
+            (_, gkey), _ = self.graphs.popitem(last=False)
+            if gkey is not None and hasattr(self.backend, "release_graph"):
+                self.backend.release_graph(gkey)
+            self.graphs_evicted += 1
+        if not self.graphs:
+            self.graph_pool = None        # freed with its last graph; the next capture starts a new pool
+
+    def drop_graphs(self) -> None:
+        """Forget every captured graph (and the wrapper sets they pinned); the next decode recaptures.
+        The shared memory pool goes with them: capturing into a pool whose graphs are all gone trips
+        an internal assert of torch's caching allocator (seen 2026-11-30)."""
+        if self.graphs and self.device.type == "cuda":
+            torch.cuda.synchronize()
+        for (_, gkey) in list(self.graphs):
+            if gkey is not None and hasattr(self.backend, "release_graph"):
+                self.backend.release_graph(gkey)
+        self.graphs = OrderedDict()
+        self.graph_pool = None
