@@ -10,6 +10,7 @@ import pandas as pd
 
 from analysis import headline_steps
 from analysis.amdahl import amdahl, amdahl_frame
+from analysis.bounds import bound_line, calibration_line
 from analysis.claims import NOT_REPRODUCED, REPRODUCED, evaluate, paper_shown
 from analysis.common import (NOT_MEASURED, NULL, PAPER_HARDWARE, config_label, fmt, identity, parse_selectors, select,
                              show, write_table)
@@ -283,6 +284,9 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
             why = dispatch_line(res, cache)
         elif "absolute" in str(c.get("comparison", "")):
             why = absolute_line(ev, c)
+        elif c["check"] in ("bound_ge", "bound_le") and (bl := bound_line(res, c)):
+            cal = calibration_line(res, c) if "tables/dispatch_routing" in str(c["source"]) else ""
+            why = bl + (" " + cal if cal else "")
         else:
             steps = steps_line(res, c, cache) if "tables/headline" in str(c["source"]) else ""
             why = f"{steps + ' ' if steps else ''}{roofline_line(res, c, cache)}"

@@ -1,0 +1,120 @@
+"""Why a bound claim failed, from the measurements: the configurations on the wrong side of the
+bound, and, for the dispatcher's routing claims, the calibration kernel times behind its choice.
+
+A bound claim's number is an extreme over configurations (``min``/``max`` of a per-configuration
+value, or the largest deviation of a ratio from 1): one configuration decides it. The REPORT's
+"Where our verdict differs" section names every configuration that breaks the bound (and, for a
+deviation, which side of 1 it lies on), so a reader sees whether one cell or the whole grid
+contradicts the paper.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from analysis.claims import Context
+from analysis.common import aggregate, identity, paired, parse_selectors, select, show
+
+# prose names of the configuration keys that vary inside one claim's cells
+SHORT_KEYS = {"workload.prefix_len": "Lp", "workload.batch": "B", "meff": "Meff", "system": "system",
+              "workload.num_prefixes": "k"}
+MAX_LISTED = 8   # configurations listed by name; the rest are counted
+
+
+def _label(row: pd.Series, keys: list[str]) -> str:
+    return ", ".join(f"{SHORT_KEYS[k]}={show(row[k])}" for k in keys if k in SHORT_KEYS and k in row.index)
+
+
+def _varying(df: pd.DataFrame, keys: list[str]) -> list[str]:
+    out = [k for k in keys if k in df.columns and df[k].astype(str).nunique() > 1]
+    if "meff" in df.columns and "workload.batch" in out:
+        out.append("meff")
+    return out
+
+
+def _listed(parts: list[str]) -> str:
+    more = len(parts) - MAX_LISTED
+    return "; ".join(parts[:MAX_LISTED]) + (f"; and {more} more" if more > 0 else "")
+
+
+def violators(res, claim: pd.Series) -> tuple[pd.DataFrame, list[str]]:
+    """Per-configuration values of a ``min``/``max`` bound claim that break its bound, with the keys
+    that tell them apart. Empty when the claim is not such a claim or nothing breaks it."""
+    if claim.get("statistic") not in ("min", "max") or claim.get("check") not in ("bound_ge", "bound_le"):
+        return pd.DataFrame(), []
+    df = Context(res).frame(claim["frame"])
+    d = select(df, parse_selectors(claim["selectors"])) if not df.empty else df
+    metric = claim["metric"]
+    if d.empty or metric not in d.columns:
+        return pd.DataFrame(), []
+    ids = identity(d, res.config_columns)
+    a = aggregate(d, ids, metric).rename(columns={"mean": "value"})
+    if "meff" in d.columns and d["meff"].notna().any():
+        a["meff"] = aggregate(d, ids, "meff")["mean"].to_numpy()   # same keys, same row order
+    bound = float(claim["paper_value"])
+    bad = a[a["value"] < bound] if claim["check"] == "bound_ge" else a[a["value"] > bound]
+    return bad.reset_index(drop=True), _varying(a, ids)
+
+
+def bound_line(res, claim: pd.Series) -> str:
+    """The configurations that break a bound claim, each with its value (empty if none apply)."""
+    if claim.get("statistic") == "max_abs_dev":
+        return deviation_line(res, claim)
+    bad, keys = violators(res, claim)
+    if bad.empty:
+        return ""
+    op = "below" if claim["check"] == "bound_ge" else "above"
+    parts = [f"{_label(r, keys)}: {r['value']:.3f}" for _, r in bad.iterrows()]
+    return (f"{len(bad)} configuration(s) lie {op} the bound {claim['paper_value']} ({claim['metric']}, "
+            f"repetitions averaged): {_listed(parts)}.")
+
+
+def deviation_line(res, claim: pd.Series) -> str:
+    """For a 'within x of the baseline' claim: the pairs outside the band, split by side of 1."""
+    df = Context(res).frame(claim["frame"])
+    sel, base = parse_selectors(claim["selectors"]), parse_selectors(claim["baseline"])
+    p = paired(df, res.config_columns, sel, base, claim["metric"]) if not df.empty else pd.DataFrame()
+    if p.empty:
+        return ""
+    p = p[np.isfinite(p["ratio"].astype(float))]
+    band = float(claim["paper_value"])
+    keys = _varying(p, identity(p, res.config_columns) + ["system"])
+    out = []
+    for side, m in (("lower than the baseline's", p["ratio"] < 1 - band), ("higher than the baseline's", p["ratio"] > 1 + band)):
+        s = p[m].sort_values("ratio")
+        if not s.empty:
+            out.append(f"{len(s)} pair(s) {side} by more than {band:.0%}: "
+                       + _listed([f"{_label(r, keys)}: {r['ratio']:.4f}" for _, r in s.iterrows()]))
+    inside = int(((p["ratio"] - 1).abs() <= band).sum())
+    if not out:
+        return ""
+    return (f"{claim['metric']} over the baseline's ({len(p)} pairs, {inside} within {band:.0%}): "
+            + "; ".join(out) + ".")
+
+
+def calibration_line(res, claim: pd.Series) -> str:
+    """For the routing claims: what the H200 calibration measured at the violating (Lp, Meff)
+    points (one layer's prefix attention, ms), i.e. why the fitted decision table chose as it did."""
+    bad, _ = violators(res, claim)
+    k = res.kernels
+    need = {"k.prefix_len", "k.meff", "k.times.dense", "k.times.cascade", "k.times.paged", "cell.shape.name"}
+    if bad.empty or k.empty or not need <= set(k.columns) or "meff" not in bad.columns:
+        return ""
+    model = parse_selectors(claim["selectors"]).get("model.name", "").lstrip("=")
+    fit = k[k["k.meff"].notna() & (k["cell.shape.name"] == model)]
+    parts, missing = [], 0
+    for _, r in bad.iterrows():
+        at = fit[(fit["k.prefix_len"] == r["workload.prefix_len"]) & (fit["k.meff"] == r["meff"])]
+        if at.empty:
+            missing += 1
+            continue
+        t = at.iloc[0]
+        best = min(("dense", "cascade", "paged"), key=lambda b: t[f"k.times.{b}"])
+        parts.append(f"Lp={show(r['workload.prefix_len'])}, Meff={show(r['meff'])}: dense "
+                     f"{t['k.times.dense'] * 1e3:.0f} us, cascade {t['k.times.cascade'] * 1e3:.0f} us, paged "
+                     f"{t['k.times.paged'] * 1e3:.0f} us (fastest: {best})")
+    if not parts:
+        return ""
+    return (f"The dispatcher follows the decision table fitted on this GPU (runners.calibrate, "
+            f"results/raw/calibration/fit-{model}*): at these points the calibration measured, per layer, "
+            + _listed(parts) + (f"; {missing} point(s) lie between calibration Lp values" if missing else "") + ".")
