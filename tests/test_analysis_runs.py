@@ -358,11 +358,13 @@ def test_report_compares_shared_host_cells_with_cells_run_alone(res):
     twin["rep"] = 7                                                    # measured while the host was shared
     twin["provenance.concurrent_sweeps"] = 2
     twin["output_throughput_tok_s"] = serving["output_throughput_tok_s"].iloc[0] * 0.9
+    twin["tpot_p50_ms"] = serving["tpot_p50_ms"].iloc[0] * 1.25
     mixed = pd.concat([cells, twin], ignore_index=True)
     line = concurrency_check(type(res)(root=res.root, cells=mixed, failures=res.failures, kernels=res.kernels,
                                        config_columns=res.config_columns))
     assert "1 configurations were measured both alone and while another sweep ran" in line
-    assert "median 0.900" in line
+    assert "output_throughput_tok_s shared / alone: median 0.900" in line
+    assert "tpot_p50_ms (the median per-token step) shared / alone: median 1.250" in line
     alone = cells.copy()
     alone.loc[serving.index[0], "provenance.concurrent_sweeps"] = 2  # shared, with no twin run alone
     line = concurrency_check(type(res)(root=res.root, cells=alone, failures=res.failures, kernels=res.kernels,

@@ -267,6 +267,10 @@ def _tp_worker(rank, world, port, names, reqs, out):
             eng = Engine(make_cfg(name, chunk=48, tp=world))
             res[name] = [r.output_ids for r in eng.run(reqs).records]
         res["reference"] = [eng.generate_reference(r.prompt_ids, r.output_len) for r in reqs[:3]]
+        # logits(out=...) (what every captured CUDA graph writes into) == the allocating path, all-gather included
+        h = torch.randn(3, eng.model.embed.shape[1], generator=torch.Generator().manual_seed(5))
+        buf = torch.full((3, eng.cfg.model.vocab_size), float("nan"))
+        res["logits_out_ok"] = bool(torch.equal(eng.model.logits(h, out=buf), eng.model.logits(h)))
         out.put((rank, res))
     except BaseException as e:  # report instead of leaving the parent waiting
         out.put((rank, f"{type(e).__name__}: {e}"))
@@ -300,6 +304,7 @@ def test_tensor_parallel_matches_tp1(world):
         for name in names:
             assert got[rank][name] == want[name], f"tp={world} rank {rank} {name}"
         assert got[rank]["reference"] == want["granikv"][:3]
+        assert got[rank]["logits_out_ok"], f"tp={world} rank {rank}: logits(out=) differs"
 
 
 @pytest.mark.parametrize("name", ["sglang_default", "granikv"])

@@ -48,10 +48,11 @@ def test_cap_is_a_checked_setting():
         HardwareConfig(cuda_graph_max_graphs=-1)
 
 
-def _fake_cuda(monkeypatch, allocated: int, free: int, total: int):
+def _fake_cuda(monkeypatch, allocated: int, free: int, total: int, reserved: int | None = None):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: allocated)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: reserved if reserved is not None else allocated)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (free, total))
 
 
@@ -74,3 +75,28 @@ def test_kv_budget_takes_mem_fraction_of_free_memory(monkeypatch):
     _fake_cuda(monkeypatch, allocated=16 * gib + 300 * 2 ** 20, free=123 * gib, total=140 * gib)
     n = engine_mod.kv_budget_tokens(_cfg(0.9), gib // 1024, dev, own_bytes=16 * gib)
     assert n == int((123 * gib - 14 * gib) // (gib // 1024))   # free - total x (1 - 0.9)
+
+
+def test_kv_budget_refuses_segments_pinned_by_live_blocks(monkeypatch):
+    """Freed blocks that share a segment with live ones stay reserved after empty_cache(): the
+    budget would shrink (the H200 pattern: an earlier engine's KV segment holding new weights)."""
+    gib = 2 ** 30
+    _fake_cuda(monkeypatch, allocated=16 * gib, free=70 * gib, total=140 * gib, reserved=69 * gib)
+    with pytest.raises(RuntimeError, match="stay cached after empty_cache"):
+        engine_mod.kv_budget_tokens(_cfg(), 1024, SimpleNamespace(type="cuda"), own_bytes=16 * gib)
+
+
+def test_drop_graphs_releases_sets_and_forgets_the_pool():
+    """Recapturing into the pool of destroyed graphs trips a torch allocator assert (prefill bench,
+    H200, 2026-11-30): dropping every graph must drop the pool handle too."""
+    r = _runner(0, [(8, "a"), (16, "b")])
+    r.graph_pool = ("pool", 1)
+    ModelRunner.drop_graphs(r)
+    assert not r.graphs and r.graph_pool is None and sorted(r.backend.released) == ["a", "b"]
+
+
+def test_evicting_the_last_graph_forgets_the_pool():
+    r = _runner(1, [(8, "a")])
+    r.graph_pool = ("pool", 1)
+    ModelRunner._evict_for_capture(r)
+    assert not r.graphs and r.graph_pool is None

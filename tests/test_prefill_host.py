@@ -114,3 +114,27 @@ def test_decode_check_serves_both_ways_and_restores_the_one_shot_path():
     got = prefill_bench.decode_check(engine, 0, batch=3, prompt=10, out=4)
     assert got == {"requests": 3, "output_len": 4, "requests_identical": 3, "first_difference_min": 4}
     assert engine.tp._symm_buf is marker and engine.runner.graphs == {}
+
+
+def test_report_line_uses_gpu_rows_of_the_claims_model_only(out, tmp_path):
+    """The REPORT's prefill line for a TP claim: that model's GPU rows at its TP and at TP=1; CPU rows
+    (the tiny runs above) never stand in for a GPU."""
+    import pandas as pd
+
+    from analysis.report import prefill_host_line
+
+    res = type("R", (), {"root": out})()
+    claim = pd.Series({"model": "tiny", "tp": "2"})
+    assert prefill_host_line(res, claim, {}) == ""                     # CPU rows only
+    gpu = tmp_path / "raw"
+    for tp in (1, 2):
+        d = read_json(out / "prefill_host" / f"tiny_tp{tp}" / "prefill_host.json")
+        d["provenance"]["gpu_name"] = "NVIDIA H200"
+        (gpu / f"tiny_tp{tp}").mkdir(parents=True)
+        (gpu / f"tiny_tp{tp}" / "prefill_host.json").write_text(json.dumps(d))
+    line = prefill_host_line(type("R", (), {"root": gpu})(), claim, {})
+    t = prefill_host.load(gpu)
+    two = t[t["tp"] == 2]
+    assert line.startswith("Prefill steps measured alone") and "at TP=2 a step takes" in line
+    assert f"{two['step_ms'].min():.1f}-{two['step_ms'].max():.1f} ms" in line
+    assert prefill_host_line(type("R", (), {"root": gpu})(), pd.Series({"model": "other", "tp": "2"}), {}) == ""

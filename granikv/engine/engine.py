@@ -75,11 +75,17 @@ def kv_budget_tokens(cfg: RunConfig, bytes_per_token: int, device: torch.device,
     gc.collect()              # an earlier engine of this process, freed only through a reference cycle
     torch.cuda.empty_cache()  # the weights' fp32 staging copies are cached, not used
     held = torch.cuda.memory_allocated(device)
+    stuck = torch.cuda.memory_reserved(device) - held   # cached, yet not releasable: segments shared with live blocks
     if held > own_bytes + STALE_GPU_BYTES:
         raise RuntimeError(f"{held / 2**30:.1f} GiB of GPU memory are allocated before the KV pool, "
                            f"{(held - own_bytes) / 2**30:.1f} GiB beyond this engine's weights: an earlier "
                            f"engine of this process is still referenced, and the KV budget (hardware.mem_fraction "
                            f"of free memory) would be smaller than its neighbours'. Run the cell in a fresh process.")
+    if stuck > STALE_GPU_BYTES:
+        raise RuntimeError(f"{stuck / 2**30:.1f} GiB of GPU memory stay cached after empty_cache(): freed blocks "
+                           f"share segments with live ones (an earlier engine's segments now holding this one's "
+                           f"tensors), so the KV budget (hardware.mem_fraction of free memory) would be smaller "
+                           f"than its neighbours'. Run the cell in a fresh process.")
     free, total = torch.cuda.mem_get_info(device)
     avail = free - total * (1.0 - hw.mem_fraction)  # SGLang's mem_fraction_static rule
     n = int(avail // bytes_per_token)
@@ -136,6 +142,12 @@ class Engine:
         # SGLang baselines keep the scheduler's order (SGLang does not reorder its batch)
         self.group_rows = cfg.system.backend in ("hydragen", "granikv")
         if self.device.type == "cuda":
+            # Return an earlier engine's cached blocks to the driver BEFORE the weights are allocated: the
+            # caching allocator would otherwise carve the weights out of its freed 50-GiB KV segments, and
+            # those segments could never be released again: each later KV budget was smaller (seen on
+            # the H200, 2026-11-30: budgets of one sweep at 1, 3/4, 1/2, 1/3 of the first cell's)
+            gc.collect()
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)   # gpu_peak_allocated_gib: this engine's peak
         self.model = CausalLM(m, self.tp, cfg.seed, self.device, self.dtype, fused_ops=self.fused_ops)
         hkv, hq = m.num_kv_heads // cfg.tp, m.num_heads // cfg.tp

@@ -91,13 +91,14 @@ class TPGroup:
         dist.all_reduce(x)
         return x
 
-    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate each rank's ``x [..., n]`` along the last dim -> ``[..., n * size]``."""
+    def all_gather_last(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Concatenate each rank's ``x [..., n]`` along the last dim -> ``[..., n * size]`` (into ``out``
+        when given)."""
         if self.size == 1:
-            return x
+            return x if out is None else out.copy_(x)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=-1)
+        return torch.cat(parts, dim=-1) if out is None else torch.cat(parts, dim=-1, out=out)
 
 
 def _seeded(shape: tuple[int, ...], std: float, seed: int, name: str, device, dtype) -> torch.Tensor:
@@ -262,9 +263,16 @@ class CausalLM(nn.Module):
         h, _ = self.norm(h, residual)
         return h
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h [m, H] -> fp32 logits [m, V] (vocab shards all-gathered, identical on every rank)."""
-        return self.tp.all_gather_last(F.linear(h, self.lm_head).float())
+    def logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """h [m, H] -> fp32 logits [m, V] (vocab shards all-gathered, identical on every rank).
+        ``out`` [m, V] fp32: written in place and returned (the fp32 conversion, or the all-gather's
+        concatenation, writes there instead of into a new tensor: no extra traffic)."""
+        x = F.linear(h, self.lm_head)
+        if out is None:
+            return self.tp.all_gather_last(x.float())
+        if self.tp.size == 1:
+            return out.copy_(x)
+        return self.tp.all_gather_last(x.float(), out=out)
 
 
 class CausalReference:
