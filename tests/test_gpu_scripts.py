@@ -63,3 +63,30 @@ def test_split_refuses_more_parts_than_gpus(repo, tmp_path):
     assert p.returncode == 2
     assert "GRANIKV_GPU_SPLIT has 2 parts for 1 GPUs" in p.stdout
     assert not (repo / "results/raw/smoke").exists()
+
+
+def test_slim_tree_leaves_out_the_bulk_and_brings_it_back(tmp_path):
+    """runners/gpu/slim_tree.sh on a throwaway git repo: `on` removes the per-cell traces from the
+    working tree (not from git) and keeps config/metrics; `off` restores them byte for byte."""
+    g = tmp_path / "g"
+    cell = g / "results" / "raw" / "sweep" / "system=granikv"
+    cell.mkdir(parents=True)
+    files = {"config.json": b"{}", "metrics.json": b'{"x": 1}', "requests.jsonl.gz": b"R" * 100,
+             "steps.jsonl.gz": b"S" * 100, "workload.jsonl": b"W\n"}
+    for n, b in files.items():
+        (cell / n).write_bytes(b)
+    (g / "runners" / "gpu").mkdir(parents=True)
+    shutil.copy(ROOT / "runners" / "gpu" / "slim_tree.sh", g / "runners" / "gpu")
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "cells"]):
+        subprocess.run(cmd, cwd=g, env=env, check=True)
+    on = subprocess.run(["bash", "runners/gpu/slim_tree.sh", "on"], cwd=g, capture_output=True, text=True)
+    assert on.returncode == 0, on.stderr
+    assert sorted(p.name for p in cell.iterdir()) == ["config.json", "metrics.json"]
+    assert "3 raw files left out" in on.stdout
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=g, capture_output=True, text=True).stdout == ""
+    off = subprocess.run(["bash", "runners/gpu/slim_tree.sh", "off"], cwd=g, capture_output=True, text=True)
+    assert off.returncode == 0, off.stderr
+    assert {p.name: p.read_bytes() for p in cell.iterdir()} == files
+    assert subprocess.run(["bash", "runners/gpu/slim_tree.sh"], cwd=g, capture_output=True).returncode == 2
