@@ -338,6 +338,23 @@ def other_tp_note(ctx: Context, c: pd.Series, sel: dict, base: dict) -> str:
     return f"; for information only, measured at TP={tps}: {o.shown} on {', '.join(o.gpus)} (no verdict)"
 
 
+def other_hardware_note(ctx: Context, c: pd.Series, sel: dict, base: dict) -> str:
+    """Where the claim names a hardware preset (a KV budget: hardware=a100_40gb) that was not run
+    but another preset was: our number there, as information (no verdict: another KV budget is
+    another measurement)."""
+    relaxed = {k: v for k, v in sel.items() if k != "hardware.name"}
+    df = ctx.frame("cells")
+    there = select(df, relaxed) if not df.empty else df
+    if there.empty or "hardware.name" not in there.columns:
+        return ""
+    o = STATISTICS[c["statistic"]](ctx, c, relaxed, base)
+    if _missing(o.value):
+        return ""
+    names = ", ".join(sorted(str(h) for h in there["hardware.name"].dropna().unique()))
+    return (f"; for information only, measured with hardware={names} (that preset's KV budget): {o.shown} "
+            f"on {', '.join(o.gpus)} (no verdict)")
+
+
 def evaluate(res: Results, claims: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per claim: the claim's columns plus ``ours``, ``ours_shown``, ``n``, ``our_hardware``,
     ``verdict``, ``why``."""
@@ -352,6 +369,8 @@ def evaluate(res: Results, claims: pd.DataFrame | None = None) -> pd.DataFrame:
         why = o.why if v == NOT_MEASURED else ""
         if v == NOT_MEASURED and "tp" in sel and c["frame"] == "cells":
             why += other_tp_note(ctx, c, sel, base)
+        if v == NOT_MEASURED and "hardware.name" in sel and c["frame"] == "cells":
+            why += other_hardware_note(ctx, c, sel, base)
         rows.append({**c.to_dict(), "ours": o.value, "ours_shown": o.shown if v != NOT_MEASURED else "",
                      "n": o.n, "our_hardware": ", ".join(o.gpus), "verdict": v, "why": why})
     return pd.DataFrame(rows)

@@ -147,3 +147,25 @@ def test_monotone_needs_the_claimed_lp_span():
     assert math.isnan(partial.value) and "needs both ends" in partial.why and "[8192, 16384]" in partial.why
     assert math.isnan(_monotone([512, 8192, 16384], [1.0, 1.5, 1.9]).value)   # fewer than 4 Lp values
     assert _monotone([8192, 16384], [1.9, 1.5]).value is False             # a decrease refutes at once
+
+
+def _ctx(rows: list[dict]):
+    from types import SimpleNamespace
+
+    df = pd.DataFrame(rows)
+    cols = [c for c in df.columns if c != "output_throughput_tok_s"]
+    return SimpleNamespace(frame=lambda name: df, res=SimpleNamespace(config_columns=cols))
+
+
+def test_other_preset_and_tp_notes_give_information_without_a_verdict():
+    rows = [{"hardware.name": "h200", "tp": 1, "system.name": s, "output_throughput_tok_s": v}
+            for s, v in (("granikv", 178.0), ("sglang_default", 100.0))]
+    ctx = _ctx(rows)
+    c = pd.Series({"frame": "cells", "metric": "output_throughput_tok_s", "statistic": "ratio"})
+    base = parse_selectors("system.name=sglang_default")
+    note = C.other_hardware_note(ctx, c, parse_selectors("hardware.name=a100_40gb;system.name=granikv"), base)
+    assert "measured with hardware=h200" in note and "1.78" in note and "(no verdict)" in note
+    assert C.other_tp_note(ctx, c, parse_selectors("tp=4;system.name=granikv"), base).endswith("(no verdict)")
+    assert "TP=1" in C.other_tp_note(ctx, c, parse_selectors("tp=4;system.name=granikv"), base)
+    # nothing measured under any preset: no note
+    assert C.other_hardware_note(ctx, c, parse_selectors("hardware.name=a100_40gb;system.name=hydragen"), base) == ""
