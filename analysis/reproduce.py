@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 from analysis import (amdahl, dispatch_overhead, dispatch_routing, grid, headline, headline_steps, kernel, limitation,
-                      multiprefix, prefill_host, profiler, sharegpt_matrix)
+                      multiprefix, prefill_host, prefill_host_ops, profiler, sharegpt_matrix)
 from analysis.load import load_results
 
-MODULES = (headline, headline_steps, prefill_host, grid, sharegpt_matrix, multiprefix, kernel, amdahl, dispatch_routing,
-           dispatch_overhead, profiler, limitation)
+MODULES = (headline, headline_steps, prefill_host, prefill_host_ops, grid, sharegpt_matrix, multiprefix, kernel, amdahl,
+           dispatch_routing, dispatch_overhead, profiler, limitation)
 
 
 def run(results: str | Path = "results/raw", out: str | Path = "results", only: str | None = None) -> dict:

@@ -19,6 +19,8 @@ no cached prefix; ``--reps`` timed runs after ``--warmup`` untimed ones, ranks a
   (``symm_decode_check``) a small burst served both ways, decode in CUDA graphs: identical outputs?
 
 Medians over the reps. ``launch_ms`` close to ``forward_ms`` means the step is bound by the host.
+``host_profile`` (``--profile-tokens``): per rank, one forward under torch.profiler (CPU only), the
+ops that take the host's time (``analysis/prefill_host.py`` writes them to tables/prefill_host_ops).
 Rank 0 writes ``<out>/<model>_tp<k>/prefill_host.json`` (rows, args, config, provenance): not a
 cell folder (the serving analysis skips it); ``analysis/prefill_host.py`` tabulates it.
 """
@@ -123,6 +125,46 @@ def time_tokens(engine: Engine, n: int, reps: int, warmup: int, seed: int) -> di
             "step_ms_all": [s * 1e3 for s in step], **check}
 
 
+def host_profile(engine: Engine, n: int, seed: int, top: int = 15) -> dict:
+    """Where the host's time goes in one prefill forward of ``n`` new tokens on this rank:
+    torch.profiler (CPU activity only) around the forward after one untimed run; ``top`` ops by
+    self CPU time, and the forward's wall time under the profiler (which adds its own overhead)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    m = engine.cfg.model
+    rng = random.Random(seed + 7 * n)
+    ids = torch.tensor([rng.randrange(m.vocab_size) for _ in range(n)], dtype=torch.int64, device=engine.device)
+    pos = torch.arange(n, device=engine.device)
+    slots = engine.kv.cold_pool.alloc(n)                       # [n]
+    try:
+        with torch.inference_mode():
+            engine.prefill_attn.plan(torch.tensor([0, n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32), slots)
+            hook = _WriteThen(engine.kv, slots, engine.prefill_attn)
+            engine.model(ids, pos, hook)
+            _align(engine)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                t = time.perf_counter()
+                engine.model(ids, pos, hook)
+                wall = time.perf_counter() - t
+            _sync(engine)
+    finally:
+        engine.kv.cold_pool.free(slots)
+    ev = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in ev)
+    return {"tokens": n, "rank": engine.tp.rank, "wall_ms": wall * 1e3, "self_cpu_ms_total": total / 1e3,
+            "top": [{"name": e.key, "calls": int(e.count), "self_cpu_ms": e.self_cpu_time_total / 1e3}
+                    for e in ev[:top]]}
+
+
+def _gather(engine: Engine, obj: dict) -> list[dict]:
+    """Every rank's ``obj`` on every rank (a host collective; [obj] at TP=1)."""
+    if engine.tp.size == 1:
+        return [obj]
+    got: list = [None] * engine.tp.size
+    dist.all_gather_object(got, obj)
+    return got
+
+
 def _symm_check(engine: Engine, x: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, chunk: PrefillChunk) -> dict:
     """With the one-shot all-reduce on: its result against NCCL's on the same ``x [n, H]`` (max abs
     difference), and whether the prefill step's first token is the same both ways. Empty otherwise."""
@@ -177,6 +219,8 @@ def main(argv=None) -> Path:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--allreduce", default="nccl", help="hardware.allreduce: nccl | symm_one_shot (CUDA, TP > 1)")
+    ap.add_argument("--profile-tokens", type=int, default=16,
+                    help="new tokens of the one forward profiled per rank (host ops by self CPU time); 0 = none")
     ap.add_argument("--out", default="results/raw/prefill_host")
     args = ap.parse_args(argv)
     try:
@@ -202,6 +246,12 @@ def main(argv=None) -> Path:
             print(f"[prefill_bench] {model.name} TP={tp} n={n}: step {r['step_ms']:.2f} ms, launch "
                   f"{r['launch_ms']:.2f} ms, forward {r['forward_ms']:.2f} ms, all-reduce "
                   f"{r['allreduce_calls']} x {r['allreduce_launch_us']:.1f} us launch, {r['allreduce_ms']:.2f} ms", flush=True)
+    profiles = []
+    if args.profile_tokens > 0:
+        try:
+            profiles = _gather(engine, host_profile(engine, args.profile_tokens, args.seed))
+        except Exception as e:  # noqa: BLE001 - the timed rows are kept; the failed profile is recorded
+            profiles = [{"error": f"{type(e).__name__}: {e}", "rank": engine.tp.rank}]
     try:
         checked = decode_check(engine, args.seed)
     except Exception as e:  # noqa: BLE001 - the timed rows above are kept; the failed check is recorded
@@ -210,7 +260,8 @@ def main(argv=None) -> Path:
         print(f"[prefill_bench] one-shot vs NCCL, decode burst: {checked}", flush=True)
     out = Path(args.out) / (f"{model.name}_tp{tp}" + ("" if hw.allreduce == "nccl" else f"_{hw.allreduce}"))
     if int(os.environ.get("RANK", "0")) == 0:
-        rawio.write_json(out / FILE, {"rows": rows, "symm_decode_check": checked, "bench": vars(args),
+        rawio.write_json(out / FILE, {"rows": rows, "symm_decode_check": checked, "host_profile": profiles,
+                                      "bench": vars(args),
                                       "config": dataclasses.asdict(cfg),
                                       "fused_ops": engine.fused_ops, "provenance": prov})
     return out

@@ -138,3 +138,28 @@ def test_report_line_uses_gpu_rows_of_the_claims_model_only(out, tmp_path):
     assert line.startswith("Prefill steps measured alone") and "at TP=2 a step takes" in line
     assert f"{two['step_ms'].min():.1f}-{two['step_ms'].max():.1f} ms" in line
     assert prefill_host_line(type("R", (), {"root": gpu})(), pd.Series({"model": "other", "tp": "2"}), {}) == ""
+
+
+def test_host_profile_per_rank_and_its_table(out, tmp_path):
+    """--profile-tokens (default 16): every rank's host ops of one forward reach rank 0's file; the
+    ops table has a (total) row per rank and the kept ops; a malformed profile names its field."""
+    from analysis import prefill_host_ops
+
+    for tp in (1, 2):
+        d = read_json(out / "prefill_host" / f"tiny_tp{tp}" / "prefill_host.json")
+        prof = d["host_profile"]
+        assert sorted(p["rank"] for p in prof) == list(range(tp))
+        for p in prof:
+            assert p["tokens"] == 16 and p["wall_ms"] > 0 and p["self_cpu_ms_total"] > 0 and p["top"]
+            assert sum(o["self_cpu_ms"] for o in p["top"]) <= p["self_cpu_ms_total"] + 1e-6
+    t = prefill_host_ops.load(out)
+    totals = t[t["op"] == "(total)"]
+    assert sorted(zip(totals["tp"], totals["rank"])) == [(1, 0), (2, 0), (2, 1)]
+    assert (t[t["op"] != "(total)"]["share"] <= 1).all()
+    bad = tmp_path / "raw" / "prefill_host" / "x"
+    bad.mkdir(parents=True)
+    d = read_json(out / "prefill_host" / "tiny_tp1" / "prefill_host.json")
+    del d["host_profile"][0]["top"][0]["self_cpu_ms"]
+    (bad / "prefill_host.json").write_text(json.dumps(d))
+    with pytest.raises(SchemaError, match=r"host_profile\[0\]\.top\[0\]\.self_cpu_ms"):
+        prefill_host_ops.load(tmp_path / "raw")
