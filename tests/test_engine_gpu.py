@@ -160,3 +160,50 @@ def test_decode_launch_does_not_synchronise(system):
     res = eng.run(reqs)
     assert checked_steps and sum(s["kind"] == "decode" and s["cuda_graph"] for s in res.steps) > 0
     assert not found, found[:3]
+
+
+@needs_fi
+@pytest.mark.parametrize("system", ["hydragen", "granikv"])
+def test_gpu_memory_graph_cap_evicts_and_stays_correct(system):
+    """At most cuda_graph_max_graphs captured graphs (2 here): step structures beyond it evict the least
+    recently replayed graph and recapture; replays still match the reference and the uncapped run."""
+    reqs = _requests()
+    out = {}
+    for cap in (0, 2):
+        cfg = _cfg(system, True)
+        cfg.hardware.cuda_graph_max_graphs = cap
+        eng = Engine(cfg)
+        eng.runner.logit_probe = LogitProbe(rows=4, steps=6)
+        res = eng.run(reqs)
+        out[cap] = [r.output_ids for r in res.records]
+        if cap:
+            assert res.stats["cuda_graphs_evicted"] > 0 and len(eng.runner.graphs) <= cap
+            worst = _worst_logit_diff(eng, out[cap], reqs)
+            assert worst < 0.05, f"{system}: capped-graph logits differ from the reference by {worst:.3f}"
+        del eng
+    same = sum(a == b for x, y in zip(out[0], out[2]) for a, b in zip(x, y))
+    assert same / sum(len(x) for x in out[0]) >= 0.75
+
+
+@needs_fi
+def test_gpu_memory_budget_ignores_an_earlier_cached_segment():
+    """A large block freed into torch's cache (an earlier engine's KV) must not shrink the next KV budget:
+    the engine empties the cache before its weights, so no weight lands inside the old segment (the
+    H200 sweeps of 61151bb got budgets of 1/2, 1/3... of the first cell's)."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    frac = min(0.95, (total - free + (4 << 30)) / total)   # ~4 GiB of KV on a clean device
+
+    def budget() -> int:
+        cfg = _cfg("sglang_default", True)
+        cfg.hardware.kv_budget_tokens, cfg.hardware.mem_fraction = None, frac
+        eng = Engine(cfg)
+        n = eng.kv.capacity_tokens
+        del eng
+        return n
+
+    clean = budget()
+    big = torch.empty(8 << 30, dtype=torch.uint8, device="cuda")   # 8 GiB, then freed into the cache
+    del big
+    after = budget()
+    assert abs(after - clean) <= 0.01 * clean, (clean, after)

@@ -43,12 +43,13 @@ if [ -n "${GRANIKV_GPU_SPLIT:-}" ]; then
   fi
 fi
 # The engine's fused layer ops (FlashInfer norm / RoPE / SiLU-mul) must match the torch math, and
-# granikv's engine (overlap schedule, CUDA graphs vs eager) the no-cache reference, at this commit
+# granikv's engine (overlap schedule, CUDA graphs vs eager) the no-cache reference, and the engine's
+# GPU memory rules (graph cap, KV budget after a cached segment) must hold, at this commit
 # before anything is measured (a cold JIT build of the fused ops takes a few minutes, once).
 if [ -z "${GRANIKV_SKIP_FUSED_CHECK:-}" ]; then
-  log "pytest -m gpu tests/test_engine_gpu.py -k 'fused or (matches_reference and granikv)' (gate for the measurements)"
+  log "pytest -m gpu tests/test_engine_gpu.py -k 'fused or (matches_reference and granikv) or memory' (gate for the measurements)"
   timeout "$(left)" $PY -m pytest -m gpu tests/test_engine_gpu.py -q -p no:cacheprovider \
-      -k "fused or (matches_reference and granikv)" > "$OUT/fused_check.log" 2>&1
+      -k "fused or (matches_reference and granikv) or memory" > "$OUT/fused_check.log" 2>&1
   RC=$?                                  # pytest's own status: 0 only when every selected test passed
   tail -3 "$OUT/fused_check.log"
   if [ "$RC" != 0 ] || grep -q "skipped" <(tail -1 "$OUT/fused_check.log"); then
