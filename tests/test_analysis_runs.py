@@ -370,3 +370,17 @@ def test_report_compares_shared_host_cells_with_cells_run_alone(res):
     line = concurrency_check(type(res)(root=res.root, cells=alone, failures=res.failures, kernels=res.kernels,
                                        config_columns=res.config_columns))
     assert line.startswith("1 cells ran while another sweep shared the host") and "not measured" in line
+
+
+def test_report_flags_graph_capture_inside_measured_runs(res):
+    from analysis.report import capture_check
+    cells = res.cells.copy()
+    cells["cuda_graph_capture_s"] = 0.0
+    quiet = type(res)(root=res.root, cells=cells, failures=res.failures, kernels=res.kernels,
+                      config_columns=res.config_columns)
+    assert capture_check(quiet) == ""                                  # nothing captured mid-run
+    i = cells[(cells["kind"] == "serving") & (cells["system.name"] == "granikv")].index[0]
+    cells.loc[i, "cuda_graph_capture_s"] = 0.2 * cells.loc[i, "duration_s"]
+    line = capture_check(type(res)(root=res.root, cells=cells, failures=res.failures, kernels=res.kernels,
+                                   config_columns=res.config_columns))
+    assert "granikv mean" in line and "max 20.0%" in line

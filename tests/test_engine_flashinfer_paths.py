@@ -42,6 +42,7 @@ def flashinfer_engine(name: str, graph: bool, table=MIXED, **kw) -> Engine:
         be = GranikvBackend(*args, dispatcher=Dispatcher(*args, "t", table, mode=s.dispatch), **opts)
     else:
         be = BACKEND_CLASSES[s.backend](*args, **opts)
+    be.rest_capacity = eng.kv.capacity_tokens          # as Engine sets it
     eng.backend = eng.runner.backend = be
     eng.prefill_attn = eng.runner.prefill_attn = PrefillAttention(*args, impl="flashinfer")
     return eng
@@ -131,7 +132,7 @@ def test_pad_rows_do_not_multiply_graph_keys():
     padded size as for sglang_cascade, not each real class size; padded steps keep the no-gather
     full-cover path; decisions count real rows only."""
     reqs = _wave(24)
-    n_keys, pad_keys = {}, {}
+    n_keys, pad_keys, full_keys = {}, {}, {}
     table = [{"lp_max": 50, "choice": "paged"}, {"meff_min": 14 * 4, "choice": "dense"}, {"choice": "cascade"}]
     for name in ["sglang_cascade", "hydragen", "granikv", "granikv_dense_only"]:
         eng = flashinfer_engine(name, True, table=table, chunk=4096, cuda_graph_max_bs=32)
@@ -141,6 +142,8 @@ def test_pad_rows_do_not_multiply_graph_keys():
         padded = [s for s in seen if s["npad"]]
         assert padded and all(s["graph"] for s in seen)
         n_keys[name] = len({(s["bs"], s["key"][3]) for s in seen})          # ignoring the rest-capacity bucket
+        full_keys[name] = len({s["key"] for s in seen})
+        assert {s["key"][2] for s in seen} == {eng.kv.capacity_tokens}     # the KV pool's size, as SGLang sizes it
         pad_keys[name] = len({(s["bs"], s["choices"]) for s in seen})
         for s in padded:
             assert len(s["choices"]) == 1 and s["key"][3][0][1] == s["bs"], s     # the class covers the padded batch
@@ -154,4 +157,34 @@ def test_pad_rows_do_not_multiply_graph_keys():
                 assert s["choices"] == (("dense",) if real >= 14 else ("cascade",)), s
     for name in n_keys:
         assert n_keys[name] == pad_keys[name], (name, n_keys, pad_keys)
+    assert full_keys == n_keys, (full_keys, n_keys)   # the rest-capacity part never adds a key (fixed capacity)
     assert n_keys["hydragen"] == n_keys["granikv_dense_only"] == n_keys["sglang_cascade"], n_keys
+
+
+@pytest.mark.parametrize("name", ["sglang_cascade", "hydragen", "granikv"])
+def test_warmup_covers_every_graph_key_of_a_burst(name):
+    """A burst of B requests sharing one prefix, 24 output tokens each, after the engine's warm-up (the
+    first B requests, outputs B+1..2): no graph-mode wrapper set (one CUDA-graph capture each on the
+    GPU) is first needed inside the measured run. With graph keys bucketed by the batch's suffix-token
+    count (before the fixed KV-pool capacity), the growing suffixes made new keys mid-run: the H200
+    headline and grid cells captured graphs inside measured steps (hydragen: up to 27% of a run)."""
+    from dataclasses import replace
+
+    reqs = [replace(r, output_len=24) for r in _wave(12)]
+    eng = flashinfer_engine(name, True, chunk=4096, cuda_graph_max_bs=16)
+    eng.cfg.warmup_requests = len(reqs)
+    seen = _trace_plans(eng)
+    warm_keys: set = set()
+    orig_serve = eng._serve
+    calls = []
+
+    def serve(requests, on_step):
+        calls.append(len(seen))
+        return orig_serve(requests, on_step)
+    eng._serve = serve
+    res = eng.run(reqs)
+    check_tokens(res, reqs, reference(eng, reqs, "fi-wave12-24"))
+    assert len(calls) == 2                              # warm-up, then the measured run
+    warm_keys = {s["key"] for s in seen[:calls[1]] if s["graph"]}
+    new = {s["key"] for s in seen[calls[1]:] if s["graph"]} - warm_keys
+    assert not new, sorted(new)[:3]

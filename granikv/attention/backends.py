@@ -114,6 +114,11 @@ class PrefixAttentionBackend:
         self.sm_scale = reference.default_scale(head_dim) if sm_scale is None else sm_scale
         self.tensor_core_decode = tensor_core_decode
         self.cuda_graph = cuda_graph
+        # capacity of a graph-mode set's rest-decode index buffer: the KV pool's token count, set by the
+        # engine (SGLang sizes its CUDA-graph kv_indices buffer to the pool), so a graph never depends
+        # on how many suffix tokens the batch holds; None = the next power of two of each step's count
+        # (every new bucket was a new graph, captured inside measured steps)
+        self.rest_capacity: Optional[int] = None
         # FlashInfer path: the dense/HydraGen prefix attention's interleaved KV chunks (None = auto:
         # flashinfer_ops.dense_kv_splits fills the GPU's SMs; 1 = one plain single-prefill call)
         if dense_kv_splits is not None and int(dense_kv_splits) < 1:
@@ -232,7 +237,11 @@ class PrefixAttentionBackend:
         p = self._require_plan()
         cls = tuple((c.choice, len(c.rows), c.prefix_len, c.hot_start, c.row_start)
                     for c in p.classes if c.choice != "paged")
-        return (self.name, p.batch_size, _pow2(p.rest_indices.numel()), cls)
+        return (self.name, p.batch_size, self.rest_bucket(p.rest_indices.numel()), cls)
+
+    def rest_bucket(self, n: int) -> int:
+        """Rest-decode index capacity of a graph-mode wrapper set for a step with ``n`` rest indices."""
+        return max(self.rest_capacity, n) if self.rest_capacity else _pow2(n)
 
     def release_graph(self, key: tuple) -> None:
         """Free what a captured graph of ``key`` (a graph_key()) pinned: its wrapper set's buffers."""

@@ -229,7 +229,8 @@ class GpuPaths:
         if ws is None or (not graph and not self._fits(ws, p)):
             from granikv.attention.backends import _pow2
 
-            ws = WrapperSet(be, graph, p.batch_size, _pow2(p.rest_indices.numel()), p.classes)
+            n = p.rest_indices.numel()
+            ws = WrapperSet(be, graph, p.batch_size, be.rest_bucket(n) if graph else _pow2(n), p.classes)
             self.sets[key] = ws
         ws.plan(p)
         self.current = ws

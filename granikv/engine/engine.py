@@ -161,6 +161,7 @@ class Engine:
         self.storage = Storage(self.kv, enable_hot=system.hot_fraction > 0)
         use_graphs = hw.device == "cuda" and hw.cuda_graph_max_bs > 0
         self.backend = build_backend(system, m, hw, cfg.tp, self.device, self.dtype, cuda_graph=use_graphs)
+        self.backend.rest_capacity = self.kv.capacity_tokens   # graph keys independent of the suffix tokens
         from granikv.attention.prefill import PrefillAttention
         self.prefill_attn = PrefillAttention(hq, hkv, m.head_dim, self.device, self.dtype)
         self.group = hq // hkv
