@@ -102,7 +102,7 @@ def capture_check(res: Results, limit: float = 0.01) -> str:
     parts = [f"{name} mean {r['mean']:.1%}, max {r['max']:.1%} ({int(r['size'])} cells)" for name, r in g.iterrows()]
     return ("CUDA-graph capture inside measured runs (graphs first needed after the warm-up; SGLang captures "
             "all before serving), share of run time: " + "; ".join(parts) + ". It lengthens the runs of the "
-            "systems that split prefix classes more than SGLang default's. Since the commit after 9b0b435 a "
+            "systems that split prefix classes more than SGLang default's. Since 7094569 a "
             "graph no longer depends on the batch's suffix-token count, which made every post-warm-up key of a "
             "single-prefix burst on CPU (tests/test_engine_flashinfer_paths.py); not yet measured on a GPU.")
 
