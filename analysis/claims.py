@@ -323,36 +323,31 @@ def _num(x: str) -> float | None:
         return None
 
 
-def other_tp_note(ctx: Context, c: pd.Series, sel: dict, base: dict) -> str:
-    """Where the paper's TP was not measured but another TP was: our number there, as information
-    (no verdict: a different parallel configuration is a different measurement)."""
-    relaxed = {k: v for k, v in sel.items() if k != "tp"}
+def _relaxed_note(ctx: Context, c: pd.Series, sel: dict, base: dict, key: str, label) -> str:
+    """Where the claim's ``key`` value was not measured but others were: our number with ``key``
+    dropped from the selectors, as information (no verdict: another TP or KV budget is another
+    measurement). ``label(values)`` names what was measured."""
+    relaxed = {k: v for k, v in sel.items() if k != key}
     df = ctx.frame("cells")
     there = select(df, relaxed) if not df.empty else df
-    if there.empty or "tp" not in there.columns:
+    if there.empty or key not in there.columns:
         return ""
     o = STATISTICS[c["statistic"]](ctx, c, relaxed, base)
     if _missing(o.value):
         return ""
-    tps = ", ".join(str(int(t)) for t in sorted(there["tp"].dropna().unique()))
-    return f"; for information only, measured at TP={tps}: {o.shown} on {', '.join(o.gpus)} (no verdict)"
+    return (f"; for information only, measured {label(sorted(there[key].dropna().unique()))}: {o.shown} "
+            f"on {', '.join(o.gpus)} (no verdict)")
+
+
+def other_tp_note(ctx: Context, c: pd.Series, sel: dict, base: dict) -> str:
+    """The claim's TP not measured, another TP was: our number there (no verdict)."""
+    return _relaxed_note(ctx, c, sel, base, "tp", lambda v: "at TP=" + ", ".join(str(int(t)) for t in v))
 
 
 def other_hardware_note(ctx: Context, c: pd.Series, sel: dict, base: dict) -> str:
-    """Where the claim names a hardware preset (a KV budget: hardware=a100_40gb) that was not run
-    but another preset was: our number there, as information (no verdict: another KV budget is
-    another measurement)."""
-    relaxed = {k: v for k, v in sel.items() if k != "hardware.name"}
-    df = ctx.frame("cells")
-    there = select(df, relaxed) if not df.empty else df
-    if there.empty or "hardware.name" not in there.columns:
-        return ""
-    o = STATISTICS[c["statistic"]](ctx, c, relaxed, base)
-    if _missing(o.value):
-        return ""
-    names = ", ".join(sorted(str(h) for h in there["hardware.name"].dropna().unique()))
-    return (f"; for information only, measured with hardware={names} (that preset's KV budget): {o.shown} "
-            f"on {', '.join(o.gpus)} (no verdict)")
+    """The claim's hardware preset (a KV budget: hardware=a100_40gb) not run, another was: our number there."""
+    return _relaxed_note(ctx, c, sel, base, "hardware.name",
+                         lambda v: "with hardware=" + ", ".join(str(h) for h in v) + " (that preset's KV budget)")
 
 
 def evaluate(res: Results, claims: pd.DataFrame | None = None) -> pd.DataFrame:

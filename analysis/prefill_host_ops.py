@@ -14,20 +14,14 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.common import NOT_MEASURED, write_table
-from analysis.load import Results, SchemaError
-from analysis.prefill_host import FILE
+from analysis.load import Results
+from analysis.prefill_host import FILE, _need
 from granikv.rawio import read_json
 
 NAME = "prefill_host_ops"
 FIGURES: tuple[str, ...] = ()
 COLS = ["model", "tp", "allreduce", "gpu", "commit", "rank", "tokens", "op", "calls", "self_cpu_ms", "share",
         "wall_ms", "status"]
-
-
-def _need(cond: bool, path: Path, fld: str, what: str) -> None:
-    if not cond:
-        raise SchemaError(f"{path}: field `{fld}` {what}. Fix: written only by runners/prefill_bench.py; "
-                          "rerun it rather than editing the file")
 
 
 def load(root: str | Path) -> pd.DataFrame:
