@@ -42,7 +42,7 @@ def flashinfer_engine(name: str, graph: bool, table=MIXED, **kw) -> Engine:
         be = GranikvBackend(*args, dispatcher=Dispatcher(*args, "t", table, mode=s.dispatch), **opts)
     else:
         be = BACKEND_CLASSES[s.backend](*args, **opts)
-    be.rest_capacity = eng.kv.capacity_tokens          # as Engine sets it
+    be.rest_capacity = eng.backend.rest_capacity       # as Engine sets it (graph_rest_capacity)
     eng.backend = eng.runner.backend = be
     eng.prefill_attn = eng.runner.prefill_attn = PrefillAttention(*args, impl="flashinfer")
     return eng
@@ -143,7 +143,9 @@ def test_pad_rows_do_not_multiply_graph_keys():
         assert padded and all(s["graph"] for s in seen)
         n_keys[name] = len({(s["bs"], s["key"][3]) for s in seen})          # ignoring the rest-capacity bucket
         full_keys[name] = len({s["key"] for s in seen})
-        assert {s["key"][2] for s in seen} == {eng.kv.capacity_tokens}     # the KV pool's size, as SGLang sizes it
+        # one shared capacity: largest graph batch x longest possible row, as SGLang's max_bs x context length
+        assert {s["key"][2] for s in seen} == {32 * min(eng.cfg.model.max_position_embeddings, eng.kv.capacity_tokens)}
+        assert eng.backend._gpu.rest_buf.numel() == eng.backend.rest_capacity   # ONE buffer for every graph set
         pad_keys[name] = len({(s["bs"], s["choices"]) for s in seen})
         for s in padded:
             assert len(s["choices"]) == 1 and s["key"][3][0][1] == s["bs"], s     # the class covers the padded batch
@@ -161,17 +163,22 @@ def test_pad_rows_do_not_multiply_graph_keys():
     assert n_keys["hydragen"] == n_keys["granikv_dense_only"] == n_keys["sglang_cascade"], n_keys
 
 
-@pytest.mark.parametrize("name", ["sglang_cascade", "hydragen", "granikv"])
-def test_warmup_covers_every_graph_key_of_a_burst(name):
-    """A burst of B requests sharing one prefix, 24 output tokens each, after the engine's warm-up (the
+@pytest.mark.parametrize("budget", [4096, 768])
+@pytest.mark.parametrize("name", ["sglang_default", "sglang_cascade", "hydragen", "granikv"])
+def test_warmup_covers_every_graph_key_of_a_burst(name, budget):
+    """A burst of B requests sharing one prefix, 40 output tokens each, after the engine's warm-up (the
     first B requests, outputs B+1..2): no graph-mode wrapper set (one CUDA-graph capture each on the
     GPU) is first needed inside the measured run. With graph keys bucketed by the batch's suffix-token
     count (before the fixed KV-pool capacity), the growing suffixes made new keys mid-run: the H200
-    headline and grid cells captured graphs inside measured steps (hydragen: up to 27% of a run)."""
+    headline and grid cells captured graphs inside measured steps (hydragen: up to 27% of a run).
+    budget=768: a pool smaller than the paged rows' slot count (12 rows x up to 103 slots, the prefix
+    counted per row), as the a100_40gb preset at Lp=8K, B=256: a pool-sized buffer made a new key every step
+    there (sglang_default: 372 captures in one run at 1e93c7b)."""
     from dataclasses import replace
 
-    reqs = [replace(r, output_len=24) for r in _wave(12)]
-    eng = flashinfer_engine(name, True, chunk=4096, cuda_graph_max_bs=16)
+    reqs = [replace(r, output_len=40) for r in _wave(12)]
+    eng = flashinfer_engine(name, True, chunk=4096, cuda_graph_max_bs=16, budget=budget)
+    assert eng.backend.rest_capacity == 16 * min(eng.cfg.model.max_position_embeddings, eng.kv.capacity_tokens)
     eng.cfg.warmup_requests = len(reqs)
     seen = _trace_plans(eng)
     warm_keys: set = set()
@@ -183,7 +190,7 @@ def test_warmup_covers_every_graph_key_of_a_burst(name):
         return orig_serve(requests, on_step)
     eng._serve = serve
     res = eng.run(reqs)
-    check_tokens(res, reqs, reference(eng, reqs, "fi-wave12-24"))
+    check_tokens(res, reqs, reference(eng, reqs, "fi-wave12-40"))
     assert len(calls) == 2                              # warm-up, then the measured run
     warm_keys = {s["key"] for s in seen[:calls[1]] if s["graph"]}
     new = {s["key"] for s in seen[calls[1]:] if s["graph"]} - warm_keys

@@ -114,10 +114,13 @@ class PrefixAttentionBackend:
         self.sm_scale = reference.default_scale(head_dim) if sm_scale is None else sm_scale
         self.tensor_core_decode = tensor_core_decode
         self.cuda_graph = cuda_graph
-        # capacity of a graph-mode set's rest-decode index buffer: the KV pool's token count, set by the
-        # engine (SGLang sizes its CUDA-graph kv_indices buffer to the pool), so a graph never depends
-        # on how many suffix tokens the batch holds; None = the next power of two of each step's count
-        # (every new bucket was a new graph, captured inside measured steps)
+        # capacity of the graph-mode rest-decode index buffer, ONE buffer shared by every graph-mode
+        # wrapper set (gpu_paths.GpuPaths): set by the engine to largest graph batch x longest possible
+        # row (min(max_position_embeddings, KV pool)), as SGLang sizes its one CUDA-graph kv_indices
+        # buffer (max_bs x context length), so a graph never depends on how many KV slots the batch's
+        # rows hold (a paged row counts its shared prefix again: 256 rows x 8K exceed a 157K-token pool).
+        # None = the next power of two of each step's count (every new bucket was a new graph,
+        # captured inside measured steps: H200 cells before 7094569 and the a100_40gb cells of 1e93c7b)
         self.rest_capacity: Optional[int] = None
         # FlashInfer path: the dense/HydraGen prefix attention's interleaved KV chunks (None = auto:
         # flashinfer_ops.dense_kv_splits fills the GPU's SMs; 1 = one plain single-prefill call)
@@ -230,7 +233,7 @@ class PrefixAttentionBackend:
     def graph_key(self) -> tuple:
         """Hashable of what a captured CUDA graph of run() depends on (valid after plan()).
 
-        Batch size, the rest-decode index capacity bucket (power of two) and, per split-off class,
+        Batch size, the rest-decode index capacity (rest_bucket) and, per split-off class,
         (choice, B_class, Lp, hot_start, row_start): the dense path bakes the HOT slab address and,
         for a class whose rows are contiguous, their slice into the graph.
         """
@@ -240,8 +243,10 @@ class PrefixAttentionBackend:
         return (self.name, p.batch_size, self.rest_bucket(p.rest_indices.numel()), cls)
 
     def rest_bucket(self, n: int) -> int:
-        """Rest-decode index capacity of a graph-mode wrapper set for a step with ``n`` rest indices."""
-        return max(self.rest_capacity, n) if self.rest_capacity else _pow2(n)
+        """Rest-decode index capacity of a graph-mode wrapper set for a step with ``n`` rest indices:
+        ``rest_capacity`` (the shared buffer) when it holds them, else the next power of two (a set of
+        its own; cannot happen when the engine sized ``rest_capacity``, kept for direct backend use)."""
+        return self.rest_capacity if self.rest_capacity and n <= self.rest_capacity else _pow2(n)
 
     def release_graph(self, key: tuple) -> None:
         """Free what a captured graph of ``key`` (a graph_key()) pinned: its wrapper set's buffers."""

@@ -54,7 +54,8 @@ def shared_scratch(be, lp: int) -> tuple[torch.Tensor, torch.Tensor]:
 class WrapperSet:
     """FlashInfer wrappers + persistent buffers for one step structure (see module doc)."""
 
-    def __init__(self, be, graph: bool, batch_size: int, rest_cap: int, classes):
+    def __init__(self, be, graph: bool, batch_size: int, rest_cap: int, classes,
+                 rest_buf: Optional[torch.Tensor] = None):
         self.be, self.graph = be, graph
         dev = be.device
         self.ws = fo.workspace(dev)
@@ -62,6 +63,9 @@ class WrapperSet:
         self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
         b = batch_size
         i32 = dict(dtype=torch.int32, device=dev)
+        # graph mode: the rest-decode indices live in ``rest_buf`` (the backend's shared buffer, int32
+        # [>= rest_cap]) when given, else in a buffer of this set's own
+        rest_idx = (rest_buf[:rest_cap] if rest_buf is not None else torch.zeros(rest_cap, **i32)) if graph else None
         split = [c for c in classes if c.choice != "paged"]
         self.multilevel = multilevel_cascade(be, split)
         self.decode = self.cascade = self.prefill = None
@@ -71,13 +75,13 @@ class WrapperSet:
             if graph:
                 bufs = {"qo_indptr": [torch.zeros(2, **i32), torch.zeros(b + 1, **i32)],
                         "indptr": [torch.zeros(2, **i32), torch.zeros(b + 1, **i32)],
-                        "indices": [torch.zeros(lp, **i32), torch.zeros(rest_cap, **i32)],
+                        "indices": [torch.zeros(lp, **i32), rest_idx],
                         "last_page_len": [torch.ones(1, **i32), torch.ones(b, **i32)]}
             self.cascade = fo.make_cascade_wrapper(self.ws, 2, bufs)
         else:
             bufs = None
             if graph:
-                bufs = {"indptr": torch.zeros(b + 1, **i32), "indices": torch.zeros(rest_cap, **i32),
+                bufs = {"indptr": torch.zeros(b + 1, **i32), "indices": rest_idx,
                         "last_page_len": torch.ones(b, **i32)}
             self.decode = fo.make_decode_wrapper(self.ws, self.tc, bufs)
             cas = [c for c in split if c.choice == "cascade"]
@@ -217,6 +221,11 @@ class GpuPaths:
         self.be = be
         self.sets: dict = {}
         self.current: Optional[WrapperSet] = None
+        # graph mode: ONE rest-decode index buffer (int32 [be.rest_capacity]) for every graph-mode set, as
+        # SGLang keeps one CUDA-graph kv_indices buffer for all its graphs. Sharing is safe for the same
+        # reason one set serves consecutive steps: plan() writes it on the compute stream, after the
+        # previous step's kernels in stream order, and only the current step's plan is live.
+        self.rest_buf: Optional[torch.Tensor] = None
 
     def plan(self, p, graph: Optional[bool] = None) -> None:
         """Plan step ``p`` on its wrapper set. ``graph``: whether the caller may replay a CUDA graph of
@@ -230,7 +239,13 @@ class GpuPaths:
             from granikv.attention.backends import _pow2
 
             n = p.rest_indices.numel()
-            ws = WrapperSet(be, graph, p.batch_size, be.rest_bucket(n) if graph else _pow2(n), p.classes)
+            cap = be.rest_bucket(n) if graph else _pow2(n)
+            shared = None
+            if graph and be.rest_capacity and cap == be.rest_capacity:
+                if self.rest_buf is None or self.rest_buf.numel() != cap:
+                    self.rest_buf = torch.zeros(cap, dtype=torch.int32, device=be.device)
+                shared = self.rest_buf
+            ws = WrapperSet(be, graph, p.batch_size, cap, p.classes, rest_buf=shared)
             self.sets[key] = ws
         ws.plan(p)
         self.current = ws

@@ -99,6 +99,16 @@ def kv_budget_tokens(cfg: RunConfig, bytes_per_token: int, device: torch.device,
     return n
 
 
+def graph_rest_capacity(graph_sizes: list[int], max_position_embeddings: int, pool_tokens: int) -> int | None:
+    """Int32 entries of the shared graph-mode rest-decode index buffer: largest graph batch x longest
+    possible row, a row holding at most min(max_position_embeddings, KV pool) slots (SGLang: max_bs x
+    context length). Every step a graph can replay fits, so graph keys never hold a slot count.
+    None when no batch is replayed from a graph. Llama-3.1-8B, 256 rows: 256 x 131072 x 4 B = 128 MiB."""
+    if not graph_sizes:
+        return None
+    return max(graph_sizes) * min(int(max_position_embeddings), int(pool_tokens))
+
+
 def warmup_requests(requests: list[Request], n: int, max_len: int | None = None) -> list[Request]:
     """The warm-up pass: the first ``n`` requests (prompts and prefixes as measured), all at t=0, with
     staggered output lengths n+1, n, ..., 2 (the first token comes from prefill): the decode batch is
@@ -161,7 +171,6 @@ class Engine:
         self.storage = Storage(self.kv, enable_hot=system.hot_fraction > 0)
         use_graphs = hw.device == "cuda" and hw.cuda_graph_max_bs > 0
         self.backend = build_backend(system, m, hw, cfg.tp, self.device, self.dtype, cuda_graph=use_graphs)
-        self.backend.rest_capacity = self.kv.capacity_tokens   # graph keys independent of the suffix tokens
         from granikv.attention.prefill import PrefillAttention
         self.prefill_attn = PrefillAttention(hq, hkv, m.head_dim, self.device, self.dtype)
         self.group = hq // hkv
@@ -169,6 +178,10 @@ class Engine:
                                   max_rows=hw.max_running_requests, max_len=1,
                                   cuda_graph_max_bs=hw.cuda_graph_max_bs, use_graphs=use_graphs,
                                   pad=bool(pad_batches), max_graphs=hw.cuda_graph_max_graphs)
+        # graph keys independent of how many KV slots the rows hold: one shared index buffer of
+        # (largest graph batch) x (longest possible row) int32, as SGLang's max_bs x context length
+        self.backend.rest_capacity = graph_rest_capacity(self.runner.sizes, m.max_position_embeddings,
+                                                         self.kv.capacity_tokens)
 
     # ------------------------------------------------------------------ checks
     def validate(self, requests: list[Request]) -> None:
