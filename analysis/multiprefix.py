@@ -6,6 +6,7 @@ Writes tables/multiprefix.{csv,md} and figures/multiprefix.{png,pdf}.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from analysis.load import Results
 NAME = "multiprefix"
 FIGURES = (NAME,)
 SELECT = {"workload.kind": "=multiprefix"}
+BUDGETS = ("a100_40gb", "h200")     # KV-budget presets (hardware.name): the paper's A100-40GB, the H200's own
 
 
 def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
@@ -31,8 +33,11 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     cfg_cols = res.config_columns + ["mode"]
     parts = []
     for mode, ks in (("uniform", (1, 4, 16, 64)), ("heterogeneous", (4, 8))):
-        t = system_table(cells, cfg_cols, {**SELECT, "mode": f"={mode}"}, ["mode", "config", "workload.num_prefixes"],
-                         expected={"mode": (mode,), "config": ("llama3_8b TP=1",), "workload.num_prefixes": ks})
+        # the KV-budget preset is always a column: the issue runs every cell with both (h200, a100_40gb)
+        t = system_table(cells, cfg_cols, {**SELECT, "mode": f"={mode}"},
+                         ["mode", "config", "hardware.name", "workload.num_prefixes"],
+                         expected={"mode": (mode,), "config": ("llama3_8b TP=1",), "hardware.name": BUDGETS,
+                                   "workload.num_prefixes": ks})
         parts.append(t)
     t = pd.concat(parts, ignore_index=True)
     # uniform: throughput relative to the same system's k=1 (paper: k=64 is -87%)
@@ -51,10 +56,12 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     if m.empty:
         placeholder_figure(NAME, out, f"{NOT_MEASURED}: no multiprefix cells")
         return t
-    panels = sorted(m.groupby(["mode", "config"] + [c for c in keys if c not in ("mode", "config", "system")]).groups)
+    # one panel per (mode, config, KV-budget preset, ...): heterogeneous k=4 and k=8 share a panel (their
+    # length lists differ); a key column empty for one kind of cell (NaN) must not drop its panel
+    by = ["mode", "config"] + [c for c in keys if c not in ("mode", "config", "system", "workload.prefix_lens")]
+    panels = list(m.groupby(by, dropna=False, sort=True))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.4), squeeze=False)
-    for ax, key in zip(axes.flat, panels):
-        g = m.groupby(["mode", "config"] + [c for c in keys if c not in ("mode", "config", "system")]).get_group(key)
+    for ax, (key, g) in zip(axes.flat, panels):
         sns.barplot(data=g.assign(k=g["workload.num_prefixes"].astype(int)), x="k", y="mean", hue="system", ax=ax)
         ax.set_ylabel("output tok/s")
         ax.set_title(", ".join(map(str, key if isinstance(key, tuple) else (key,))), fontsize=8)
@@ -62,3 +69,45 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     fig.tight_layout()
     save_figure(fig, NAME, out)
     return t
+
+
+def _count(r: pd.Series, key: str) -> int:
+    """A count metric of one cell; absent in metrics.json (no such admission in that run) = 0."""
+    v = r.get(key)
+    return 0 if v is None or pd.isna(v) else int(v)
+
+
+def storage_line(res: Results, claim: pd.Series) -> str:
+    """For a multi-prefix claim: where GraniKV put the prefixes and which path served them, from the
+    claim's GraniKV cells (HOT capacity and peak, first admissions to HOT / COLD, class-steps per path),
+    with TTFT / TPOT p50 against sglang_default in the same configuration. Empty without such a cell."""
+    from analysis.common import identity, parse_selectors, select
+    cells = with_derived(res.cells)
+    if cells.empty:
+        return ""
+    sel = parse_selectors(claim["selectors"])
+    g = select(cells, {**sel, "system.name": "=granikv", "instrumented": "=False"})
+    if g.empty:
+        return ""
+    ids = [c for c in identity(cells, res.config_columns) if not c.startswith("system.")]
+    parts = []
+    for _, r in g.iterrows():
+        paths = {c.split(".", 1)[1]: int(r[c]) for c in r.index if c.startswith("dispatch_counts.") and r[c] > 0}
+        base = cells[(cells["system.name"] == "sglang_default") & (cells["instrumented"] == False)]  # noqa: E712
+        for c in ids:
+            base = base[(base[c] == r[c]) | (base[c].isna() & pd.isna(r[c]))]
+        vs = ""
+        if not base.empty:
+            b = base.iloc[0]
+            vs = (f"; TTFT p50 {r['ttft_p50_ms'] / 1e3:.1f} s vs {b['ttft_p50_ms'] / 1e3:.1f} s, TPOT p50 "
+                  f"{r['tpot_p50_ms']:.1f} vs {b['tpot_p50_ms']:.1f} ms (sglang_default)")
+        lens = r.get("workload.prefix_lens")        # a list written as text ("[2048, 4096]") or null
+        if isinstance(lens, str):
+            lens = json.loads(lens)
+        k = int(r["workload.num_prefixes"])
+        total = sum(lens) if isinstance(lens, (list, tuple)) else k * int(r["workload.prefix_len"])
+        parts.append(f"k={k}, {total / 1e3:.1f}K prefix tokens against a HOT pool of "
+                     f"{r['hot_capacity_tokens'] / 1e3:.1f}K (peak {r['hot_peak_tokens'] / 1e3:.1f}K used; first "
+                     f"admissions: {_count(r, 'admissions.hot')} HOT, {_count(r, 'admissions.cold')} COLD), "
+                     f"class-steps by path {paths}{vs}")
+    return "GraniKV's storage and paths (metrics.json): " + "; ".join(parts) + "."

@@ -15,6 +15,7 @@ from analysis.claims import NOT_REPRODUCED, REPRODUCED, evaluate, paper_shown
 from analysis.common import (NOT_MEASURED, NULL, PAPER_HARDWARE, config_label, fmt, identity, parse_selectors, select,
                              show, write_table)
 from analysis.kernel import LAYOUT_BASE, LAYOUT_NUM, kernel_frame, layout_speedup
+from analysis.multiprefix import storage_line
 from analysis.load import Results
 
 
@@ -95,16 +96,23 @@ def capture_check(res: Results, limit: float = 0.01) -> str:
     c = c[(c["kind"] == "serving") if "kind" in c.columns else slice(None)]
     share = (pd.to_numeric(c["cuda_graph_capture_s"], errors="coerce")
              / pd.to_numeric(c["duration_s"], errors="coerce")).rename("share")
-    d = pd.concat([c["system.name"], share], axis=1).dropna()
+    commit = c["provenance.git_commit"].astype(str).str[:7] if "provenance.git_commit" in c.columns else \
+        pd.Series("?", index=c.index)
+    d = pd.concat([c["system.name"], share, commit.rename("commit")], axis=1).dropna()
     if d.empty or d["share"].max() < limit:
         return ""
     g = d.groupby("system.name")["share"].agg(["mean", "max", "size"])
     parts = [f"{name} mean {r['mean']:.1%}, max {r['max']:.1%} ({int(r['size'])} cells)" for name, r in g.iterrows()]
+    bc = d.groupby("commit")["share"].agg(["max", "size"]).sort_values("max")
+    by_commit = "; ".join(f"{k}: max {r['max']:.1%} ({int(r['size'])} cells)" for k, r in bc.iterrows())
     return ("CUDA-graph capture inside measured runs (graphs first needed after the warm-up; SGLang captures "
-            "all before serving), share of run time: " + "; ".join(parts) + ". It lengthens the runs of the "
-            "systems that split prefix classes more than SGLang default's. Since 7094569 a "
-            "graph no longer depends on the batch's suffix-token count, which made every post-warm-up key of a "
-            "single-prefix burst on CPU (tests/test_engine_flashinfer_paths.py); not yet measured on a GPU.")
+            "all before serving), share of run time: " + "; ".join(parts) + f". By code version: {by_commit}. "
+            "It lengthens the runs of the systems that split prefix classes more than SGLang default's. The "
+            "graph key held the batch's suffix-token count (power-of-two buckets) before 7094569, which sized the "
+            "index buffer to the KV pool instead: too small for paged rows, which count the shared prefix once per "
+            "row (a100_40gb budget at Lp=8K, B=256: a new key every step). Since 2d616dd one shared buffer holds "
+            "(largest graph batch) x (longest possible row), as SGLang's max_bs x context length, and a burst "
+            "needs no key after its warm-up (tests/test_engine_flashinfer_paths.py).")
 
 
 def code_versions(res: Results) -> list[str]:
@@ -354,6 +362,8 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
         elif c["check"] in ("bound_ge", "bound_le") and (bl := bound_line(res, c)):
             cal = calibration_line(res, c) if "tables/dispatch_routing" in str(c["source"]) else ""
             why = bl + (" " + cal if cal else "")
+        elif "tables/multiprefix" in str(c["source"]) and (sl := storage_line(res, c)):
+            why = sl
         else:
             steps = steps_line(res, c, cache) if "tables/headline" in str(c["source"]) else ""
             why = f"{steps + ' ' if steps else ''}{roofline_line(res, c, cache)}"
@@ -365,7 +375,8 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
         for _, c in off.iterrows():
             src = str(c["source"])
             why = " ".join(x for x in (shares_line(res, c, cache), prefill_host_line(res, c, cache)) if x) \
-                if "tables/headline" in src else roofline_line(res, c, cache) if "tables/kernel" in src else ""
+                if "tables/headline" in src else roofline_line(res, c, cache) if "tables/kernel" in src else \
+                storage_line(res, c) if "tables/multiprefix" in src else ""
             L.append(f"- `{c['id']}`: paper {paper_shown(c)} on {PAPER_HARDWARE}, ours {c['ours_shown']} on "
                      f"{c['our_hardware'] or '?'} ({c['side']} the paper).{' ' + why if why else ''}")
     nm = ev[ev["verdict"] == NOT_MEASURED]
