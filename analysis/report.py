@@ -115,6 +115,38 @@ def capture_check(res: Results, limit: float = 0.01) -> str:
             "needs no key after its warm-up (tests/test_engine_flashinfer_paths.py).")
 
 
+def budget_check(res: Results, spread: float = 0.005, full: float = 0.95) -> str:
+    """Sweeps whose cells got unequal KV budgets (metrics kv_budget_tokens; before 14dcf52 a cell could
+    inherit memory an earlier cell of the same process left cached), and whether the budget could have
+    mattered: a cell's pool is binding when its COLD peak reaches ``full`` of the COLD capacity or it
+    evicted. Empty when every sweep's budgets agree within ``spread``."""
+    c = res.cells
+    need = {"kv_budget_tokens", "cold_peak_tokens", "cold_capacity_tokens", "evicted_tokens", "sweep"}
+    if c.empty or not need <= set(c.columns):
+        return ""
+    c = c[c["kind"] == "serving"] if "kind" in c.columns else c
+    keys = [k for k in ("sweep", "model.name", "tp", "hardware.name") if k in c.columns]
+    parts, binding = [], []
+    for key, g in c.groupby(keys, dropna=False, sort=True):
+        b = pd.to_numeric(g["kv_budget_tokens"], errors="coerce").dropna()
+        if b.empty or b.max() / b.min() - 1 <= spread:
+            continue
+        use = pd.to_numeric(g["cold_peak_tokens"], errors="coerce") / pd.to_numeric(g["cold_capacity_tokens"],
+                                                                                  errors="coerce")
+        ev = pd.to_numeric(g["evicted_tokens"], errors="coerce").fillna(0)
+        bind = g[(use >= full) | (ev > 0)]
+        parts.append(f"{key[0]}: {b.min() / 1e3:.0f}K-{b.max() / 1e3:.0f}K tokens over {len(g)} cells, COLD peak "
+                     f"<= {use.max():.0%} of capacity")
+        binding += [f"{key[0]}/{r['cell_id']}" for _, r in bind.iterrows()]
+    if not parts:
+        return ""
+    verdict = ("In none of their cells did the pool fill (COLD peak below "
+               f"{full:.0%} of its capacity, nothing evicted), so the unequal budgets did not limit admissions."
+               if not binding else f"Cells whose pool filled or evicted (their budget mattered): {', '.join(binding)}.")
+    return ("KV budgets unequal within a sweep (metrics kv_budget_tokens; cells run one after another in one "
+            "process, fixed at 14dcf52 up to the guard's 2 GiB tolerance): " + "; ".join(parts) + ". " + verdict)
+
+
 def code_versions(res: Results) -> list[str]:
     """One line per sweep folder: the git commits (and dirty flags) its finished cells were measured at.
     A sweep measured at more than one commit is flagged: its rows mix code versions."""
@@ -336,6 +368,7 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
          f"- Our hardware (provenance of the raw results): {'; '.join(hw) if hw else 'none (no finished cells)'}.",
          *([f"- {conc}"] if (conc := concurrency_check(res)) else []),
          *([f"- {cap}"] if (cap := capture_check(res)) else []),
+         *([f"- {bud}"] if (bud := budget_check(res)) else []),
          f"- Verdicts over {len(ev)} claims: {int(counts.get(REPRODUCED, 0))} reproduced, "
          f"{int(counts.get(NOT_REPRODUCED, 0))} not reproduced, {int(counts.get(NOT_MEASURED, 0))} not measured.", "",
          "Verdict rule: *reproduced* when our number points the same way as the paper's (ratios: both above or both "

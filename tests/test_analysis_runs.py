@@ -384,3 +384,23 @@ def test_report_flags_graph_capture_inside_measured_runs(res):
     line = capture_check(type(res)(root=res.root, cells=cells, failures=res.failures, kernels=res.kernels,
                                    config_columns=res.config_columns))
     assert "granikv mean" in line and "max 20.0%" in line
+
+
+def test_report_checks_kv_budgets_within_a_sweep(res):
+    """Equal budgets: no line. Unequal: the sweep's range, and the cells whose pool filled are named."""
+    from analysis.report import budget_check
+
+    def with_cells(cells):
+        return type(res)(root=res.root, cells=cells, failures=res.failures, kernels=res.kernels,
+                         config_columns=res.config_columns)
+    cells = res.cells.copy()
+    serving = cells.index[(cells["kind"] == "serving") & (cells["sweep"] == "grid")]
+    cells.loc[serving, "kv_budget_tokens"] = 4096
+    assert budget_check(with_cells(cells)) == ""
+    a, b = serving[0], serving[1]
+    cells.loc[a, "kv_budget_tokens"] = 2048
+    line = budget_check(with_cells(cells))
+    assert "grid: 2K-4K tokens" in line and "did not limit admissions" in line
+    cells.loc[b, "evicted_tokens"] = 10
+    line = budget_check(with_cells(cells))
+    assert f"grid/{cells.loc[b, 'cell_id']}" in line and "did not limit" not in line
