@@ -77,6 +77,17 @@ def _count(r: pd.Series, key: str) -> int:
     return 0 if v is None or pd.isna(v) else int(v)
 
 
+def _steps_vs(res: Results, r: pd.Series, b: pd.Series) -> str:
+    """Where the run's time went, GraniKV cell ``r`` against sglang_default cell ``b`` (steps.jsonl): summed
+    decode and prefill step time and the mean decode batch (a missing or malformed trace raises
+    SchemaError naming the file, as everywhere in the analysis)."""
+    from analysis.headline_steps import cell_steps
+    g, d = (cell_steps(Path(res.root) / c["path"], int(c["workload.batch"])) for c in (r, b))
+    return (f"; decode steps {g['decode_s']:.2f} s vs {d['decode_s']:.2f} s, prefill steps {g['prefill_s']:.2f} s "
+            f"vs {d['prefill_s']:.2f} s ({g['prefill_s'] / (g['decode_s'] + g['prefill_s']):.0%} of GraniKV's step time), "
+            f"mean decode batch {g['decode_batch_mean']:.0f} vs {d['decode_batch_mean']:.0f}")
+
+
 def storage_line(res: Results, claim: pd.Series) -> str:
     """For a multi-prefix claim: where GraniKV put the prefixes and which path served them, from the
     claim's GraniKV cells (HOT capacity and peak, first admissions to HOT / COLD, class-steps per path),
@@ -101,6 +112,7 @@ def storage_line(res: Results, claim: pd.Series) -> str:
             b = base.iloc[0]
             vs = (f"; TTFT p50 {r['ttft_p50_ms'] / 1e3:.1f} s vs {b['ttft_p50_ms'] / 1e3:.1f} s, TPOT p50 "
                   f"{r['tpot_p50_ms']:.1f} vs {b['tpot_p50_ms']:.1f} ms (sglang_default)")
+            vs += _steps_vs(res, r, b)
         lens = r.get("workload.prefix_lens")        # a list written as text ("[2048, 4096]") or null
         if isinstance(lens, str):
             lens = json.loads(lens)

@@ -71,5 +71,6 @@ def test_storage_line_reads_the_claims_granikv_cell(raw):
     assert "k=2, 0.0K prefix tokens" in line                        # 48 tokens
     assert f"HOT pool of {g['hot_capacity_tokens'] / 1e3:.1f}K" in line
     assert "class-steps by path {" in line and "(sglang_default)" in line
+    assert "decode steps " in line and "of GraniKV's step time" in line and "mean decode batch" in line
     none = pd.Series({"selectors": "workload.kind=multiprefix;workload.num_prefixes=64"})
     assert multiprefix.storage_line(res, none) == ""
