@@ -81,3 +81,43 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
                      "step wall time by kind; *_vs_sglang_default: over sglang_default in the same configuration "
                      "(below 1 = less time).")
     return t
+
+
+def baseline_cell(res: Results, cell: pd.Series, system: str = "sglang_default") -> pd.Series | None:
+    """The uninstrumented cell of ``system`` with ``cell``'s configuration (same repetition), or None."""
+    from analysis.common import identity
+    cells = with_derived(res.cells)
+    base = cells[(cells["system.name"] == system) & (cells["instrumented"] == False)]  # noqa: E712
+    for c in identity(cells, res.config_columns):
+        if c.startswith("system."):
+            continue
+        base = base[(base[c] == cell[c]) | (base[c].isna() & pd.isna(cell[c]))]
+    return None if base.empty else base.iloc[0]
+
+
+def steps_vs(res: Results, cell: pd.Series, base: pd.Series) -> str:
+    """Where two runs' time went (steps.jsonl): summed decode and prefill step time, the prefill share of
+    ``cell``'s step time, the mean decode batch, and decode steps run without a CUDA graph (eager)."""
+    g, d = (cell_steps(Path(res.root) / c["path"], int(c["workload.batch"])) for c in (cell, base))
+    eager = [int(sum((c.get(k) or 0) for k in c.index if str(k).startswith("eager_decode_reasons.")
+                     and pd.notna(c.get(k)))) for c in (cell, base)]
+    return (f"decode steps {g['decode_s']:.2f} s vs {d['decode_s']:.2f} s, prefill steps {g['prefill_s']:.2f} s vs "
+            f"{d['prefill_s']:.2f} s ({g['prefill_s'] / (g['decode_s'] + g['prefill_s']):.0%} of GraniKV's step time), "
+            f"mean decode batch {g['decode_batch_mean']:.0f} vs {d['decode_batch_mean']:.0f}, eager decode steps "
+            f"{eager[0]} vs {eager[1]}")
+
+
+def claim_steps_line(res: Results, claim: pd.Series) -> str:
+    """For a GraniKV-over-sglang_default claim: the step trace of each GraniKV cell the claim selects
+    against sglang_default's in the same configuration. Empty without such a pair."""
+    from analysis.common import parse_selectors
+    cells = with_derived(res.cells)
+    if cells.empty:
+        return ""
+    g = select(cells, {**parse_selectors(claim["selectors"]), "system.name": "=granikv", "instrumented": "=False"})
+    parts = []
+    for _, r in g.iterrows():
+        b = baseline_cell(res, r)
+        if b is not None:
+            parts.append(steps_vs(res, r, b))
+    return ("Step trace, GraniKV vs sglang_default (steps.jsonl): " + "; ".join(parts) + ".") if parts else ""

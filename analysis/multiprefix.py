@@ -77,22 +77,12 @@ def _count(r: pd.Series, key: str) -> int:
     return 0 if v is None or pd.isna(v) else int(v)
 
 
-def _steps_vs(res: Results, r: pd.Series, b: pd.Series) -> str:
-    """Where the run's time went, GraniKV cell ``r`` against sglang_default cell ``b`` (steps.jsonl): summed
-    decode and prefill step time and the mean decode batch (a missing or malformed trace raises
-    SchemaError naming the file, as everywhere in the analysis)."""
-    from analysis.headline_steps import cell_steps
-    g, d = (cell_steps(Path(res.root) / c["path"], int(c["workload.batch"])) for c in (r, b))
-    return (f"; decode steps {g['decode_s']:.2f} s vs {d['decode_s']:.2f} s, prefill steps {g['prefill_s']:.2f} s "
-            f"vs {d['prefill_s']:.2f} s ({g['prefill_s'] / (g['decode_s'] + g['prefill_s']):.0%} of GraniKV's step time), "
-            f"mean decode batch {g['decode_batch_mean']:.0f} vs {d['decode_batch_mean']:.0f}")
-
-
 def storage_line(res: Results, claim: pd.Series) -> str:
     """For a multi-prefix claim: where GraniKV put the prefixes and which path served them, from the
     claim's GraniKV cells (HOT capacity and peak, first admissions to HOT / COLD, class-steps per path),
     with TTFT / TPOT p50 against sglang_default in the same configuration. Empty without such a cell."""
-    from analysis.common import identity, parse_selectors, select
+    from analysis.common import parse_selectors, select
+    from analysis.headline_steps import baseline_cell, steps_vs
     cells = with_derived(res.cells)
     if cells.empty:
         return ""
@@ -100,19 +90,14 @@ def storage_line(res: Results, claim: pd.Series) -> str:
     g = select(cells, {**sel, "system.name": "=granikv", "instrumented": "=False"})
     if g.empty:
         return ""
-    ids = [c for c in identity(cells, res.config_columns) if not c.startswith("system.")]
     parts = []
     for _, r in g.iterrows():
         paths = {c.split(".", 1)[1]: int(r[c]) for c in r.index if c.startswith("dispatch_counts.") and r[c] > 0}
-        base = cells[(cells["system.name"] == "sglang_default") & (cells["instrumented"] == False)]  # noqa: E712
-        for c in ids:
-            base = base[(base[c] == r[c]) | (base[c].isna() & pd.isna(r[c]))]
         vs = ""
-        if not base.empty:
-            b = base.iloc[0]
+        b = baseline_cell(res, r)
+        if b is not None:
             vs = (f"; TTFT p50 {r['ttft_p50_ms'] / 1e3:.1f} s vs {b['ttft_p50_ms'] / 1e3:.1f} s, TPOT p50 "
-                  f"{r['tpot_p50_ms']:.1f} vs {b['tpot_p50_ms']:.1f} ms (sglang_default)")
-            vs += _steps_vs(res, r, b)
+                  f"{r['tpot_p50_ms']:.1f} vs {b['tpot_p50_ms']:.1f} ms (sglang_default); " + steps_vs(res, r, b))
         lens = r.get("workload.prefix_lens")        # a list written as text ("[2048, 4096]") or null
         if isinstance(lens, str):
             lens = json.loads(lens)

@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import headline_steps
+from analysis.headline_steps import claim_steps_line
 from analysis.amdahl import amdahl, amdahl_frame
 from analysis.bounds import bound_line, calibration_line
 from analysis.claims import NOT_REPRODUCED, REPRODUCED, evaluate, paper_shown
@@ -283,7 +284,8 @@ SHORT = 0.10        # a reproduced point claim this far on the weaker side of th
 def off_paper(ev: pd.DataFrame) -> pd.DataFrame:
     """Reproduced point and range claims (the 25% rule, or better in the claim's direction) whose number is more
     than SHORT away from the paper's value or range, either way: they get a measured explanation too.
-    Adds ``side``: "short of" (weaker than the paper) or "beyond" (stronger)."""
+    Adds ``side``: "short of" (weaker than the paper) or "beyond" (stronger); "below" / "above" for a
+    claim that states no better direction (e.g. the size of a regression)."""
     if ev.empty:
         return ev.assign(side=pd.Series(dtype=str))
     lo = pd.to_numeric(ev["paper_value"], errors="coerce")
@@ -291,7 +293,8 @@ def off_paper(ev: pd.DataFrame) -> pd.DataFrame:
     ours = pd.to_numeric(ev["ours"], errors="coerce")
     below, above = ours < lo * (1 - SHORT), ours > hi * (1 + SHORT)
     side = np.where(ev["better"] == "higher", np.where(below, "short of", np.where(above, "beyond", "")),
-                    np.where(ev["better"] == "lower", np.where(above, "short of", np.where(below, "beyond", "")), ""))
+                    np.where(ev["better"] == "lower", np.where(above, "short of", np.where(below, "beyond", "")),
+                             np.where(below, "below", np.where(above, "above", ""))))   # no better side stated
     out = ev.assign(side=side)
     return out[(out["verdict"] == REPRODUCED) & out["check"].isin(("point", "range")) & (out["side"] != "")]
 
@@ -397,6 +400,8 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
             why = bl + (" " + cal if cal else "")
         elif "tables/multiprefix" in str(c["source"]) and (sl := storage_line(res, c)):
             why = sl
+        elif "tables/limitation" in str(c["source"]) and (sl := claim_steps_line(res, c)):
+            why = sl
         else:
             steps = steps_line(res, c, cache) if "tables/headline" in str(c["source"]) else ""
             why = f"{steps + ' ' if steps else ''}{roofline_line(res, c, cache)}"
@@ -409,7 +414,8 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
             src = str(c["source"])
             why = " ".join(x for x in (shares_line(res, c, cache), prefill_host_line(res, c, cache)) if x) \
                 if "tables/headline" in src else roofline_line(res, c, cache) if "tables/kernel" in src else \
-                storage_line(res, c) if "tables/multiprefix" in src else ""
+                storage_line(res, c) if "tables/multiprefix" in src else \
+                claim_steps_line(res, c) if "tables/limitation" in src else ""
             L.append(f"- `{c['id']}`: paper {paper_shown(c)} on {PAPER_HARDWARE}, ours {c['ours_shown']} on "
                      f"{c['our_hardware'] or '?'} ({c['side']} the paper).{' ' + why if why else ''}")
     nm = ev[ev["verdict"] == NOT_MEASURED]

@@ -404,3 +404,28 @@ def test_report_checks_kv_budgets_within_a_sweep(res):
     cells.loc[b, "evicted_tokens"] = 10
     line = budget_check(with_cells(cells))
     assert f"grid/{cells.loc[b, 'cell_id']}" in line and "did not limit" not in line
+
+
+def test_claim_without_a_better_side_is_explained_when_off_the_paper(res):
+    """A regression-size claim (no better side, e.g. the limitation's 0.70x) more than 10% from ours is
+    listed "below" / "above" the paper, and explained by the GraniKV/sglang_default step trace."""
+    from analysis.claims import evaluate
+    from analysis.headline_steps import cell_steps, claim_steps_line
+    from analysis.report import off_paper
+    sel = "workload.kind=synthetic;model.name=tiny;tp=1;workload.prefix_len=128;workload.batch=4;system.name=granikv"
+    ours = evaluate(res, _claim(selectors=sel, baseline="system.name=sglang_default"))["ours"].iloc[0]
+    ev = evaluate(res, _claim(selectors=sel, baseline="system.name=sglang_default", paper_value=f"{ours * 0.85:.6f}",
+                              source="tables/limitation"))
+    assert ev["verdict"].iloc[0] == "reproduced" and list(off_paper(ev)["side"]) == ["above"]
+    ev2 = evaluate(res, _claim(selectors=sel, baseline="system.name=sglang_default", paper_value=f"{ours:.6f}"))
+    assert off_paper(ev2).empty
+    line = claim_steps_line(res, ev.iloc[0])
+    g = res.cells[(res.cells["sweep"] == "grid") & (res.cells["system.name"] == "granikv")
+                  & (res.cells["workload.prefix_len"] == 128) & (res.cells["workload.batch"] == 4)
+                  & (res.cells["profile_steps"] == 0)].iloc[0]
+    want = cell_steps(Path(res.root) / g["path"], 4)
+    assert line.startswith("Step trace, GraniKV vs sglang_default") and f"decode steps {want['decode_s']:.2f} s vs" in line
+    assert "eager decode steps" in line
+    none = ev.iloc[0].copy()
+    none["selectors"] = sel.replace("128", "4096")
+    assert claim_steps_line(res, none) == ""
