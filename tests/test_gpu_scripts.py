@@ -27,11 +27,13 @@ def repo(tmp_path) -> Path:
     return dst
 
 
-def _sweep(repo: Path, out: Path, split: str, ngpu: int) -> subprocess.CompletedProcess:
+def _sweep(repo: Path, out: Path, split: str, ngpu: int, gate: bool = False) -> subprocess.CompletedProcess:
     env = {**os.environ, "GRANIKV_ENV_CPU_TEST": "1", "GRANIKV_SKIP_FUSED_CHECK": "1", "PYTHON": sys.executable,
            "OUT": str(out), "GRANIKV_GPU_SPLIT": split, "GRANIKV_NGPU": str(ngpu), "GRANIKV_BUDGET_S": "400",
            "GRANIKV_PACK_RESERVE_S": "10", "GRANIKV_GIT_COMMIT": "0" * 40, "GRANIKV_GIT_DIRTY": "false"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
+    if gate:
+        env.pop("GRANIKV_SKIP_FUSED_CHECK")
     return subprocess.run(["bash", "runners/gpu/sweep.sh", "smoke", "--", *TINY], cwd=repo, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -62,6 +64,22 @@ def test_split_refuses_more_parts_than_gpus(repo, tmp_path):
     p = _sweep(repo, tmp_path / "out", "system=sglang_default|system=granikv", ngpu=1)
     assert p.returncode == 2
     assert "GRANIKV_GPU_SPLIT has 2 parts for 1 GPUs" in p.stdout
+    assert not (repo / "results/raw/smoke").exists()
+
+
+def test_a_failed_gate_stops_later_sweeps_of_the_same_call(repo, tmp_path):
+    """The engine GPU gate fails on CPU (its tests skip without CUDA): sweep.sh exits 3, measures nothing
+    and marks $OUT/.gate_failed; a later sweep.sh of the same device call then measures nothing either,
+    even with GRANIKV_SKIP_FUSED_CHECK set."""
+    shutil.copytree(ROOT / "tests", repo / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", repo / "pyproject.toml")
+    out = tmp_path / "out"
+    p = _sweep(repo, out, "", ngpu=1, gate=True)
+    assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:]
+    assert (out / ".gate_failed").exists()
+    p = _sweep(repo, out, "", ngpu=1)
+    assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "failed the engine GPU gate" in p.stdout
     assert not (repo / "results/raw/smoke").exists()
 
 

@@ -46,6 +46,12 @@ fi
 # granikv's engine (overlap schedule, CUDA graphs vs eager) the no-cache reference, and the engine's
 # GPU memory rules (graph cap, KV budget after a cached segment) must hold, at this commit
 # before anything is measured (a cold JIT build of the fused ops takes a few minutes, once).
+# A failed gate stops every later sweep.sh of the same device call too, GRANIKV_SKIP_FUSED_CHECK or
+# not (stop 15 chained a second sweep after a failed gate and measured 13 cells that were discarded).
+if [ -e "$OUT/.gate_failed" ]; then
+  log "ERROR: an earlier sweep.sh of this call failed the engine GPU gate ($(cat "$OUT/.gate_failed")): nothing measured"
+  exit 3
+fi
 if [ -z "${GRANIKV_SKIP_FUSED_CHECK:-}" ]; then
   log "pytest -m gpu tests/test_engine_gpu.py -k 'fused or (matches_reference and granikv) or memory' (gate for the measurements)"
   timeout "$(left)" $PY -m pytest -m gpu tests/test_engine_gpu.py -q -p no:cacheprovider \
@@ -53,6 +59,7 @@ if [ -z "${GRANIKV_SKIP_FUSED_CHECK:-}" ]; then
   RC=$?                                  # pytest's own status: 0 only when every selected test passed
   tail -3 "$OUT/fused_check.log"
   if [ "$RC" != 0 ] || grep -q "skipped" <(tail -1 "$OUT/fused_check.log"); then
+    echo "rc=$RC, see fused_check.log" > "$OUT/.gate_failed"
     log "engine GPU check rc=$RC (or skipped): nothing measured (see fused_check.log)"; pack_fi_cache 3; exit 3
   fi
 fi
