@@ -308,4 +308,6 @@ def main(argv=None) -> Path:
 
 
 if __name__ == "__main__":
+    from runners.run import finish_tp_process
     main(sys.argv[1:])
+    finish_tp_process()

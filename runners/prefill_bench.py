@@ -268,4 +268,6 @@ def main(argv=None) -> Path:
 
 
 if __name__ == "__main__":
+    from runners.run import finish_tp_process
     main()
+    finish_tp_process()
