@@ -426,6 +426,9 @@ def test_claim_without_a_better_side_is_explained_when_off_the_paper(res):
     want = cell_steps(Path(res.root) / g["path"], 4)
     assert line.startswith("Step trace, GraniKV vs sglang_default") and f"decode steps {want['decode_s']:.2f} s vs" in line
     assert "eager decode steps" in line
+    # on CPU no step replays a CUDA graph: every decode step is eager, and the split says so
+    assert want["decode_eager_s"] == pytest.approx(want["decode_s"]) and want["decode_eager_steps"] > 0
+    assert f"(no CUDA graph: {want['decode_eager_s']:.2f} s vs" in line and "with graphs: 0.00 s vs 0.00 s" in line
     none = ev.iloc[0].copy()
     none["selectors"] = sel.replace("128", "4096")
     assert claim_steps_line(res, none) == ""
