@@ -37,9 +37,10 @@ META_PREFIXES = ("cell.", "provenance.")  # cell id / overrides: one per folder,
 # keys that runners.run derives from others (max_running_requests = min(preset, workload.batch)):
 # they never tell two configurations apart on their own
 IMPLIED_KEYS = ("hardware.max_running_requests",)
-# caps on cached engine state that change a run only once reached; the cell's metrics say when it
-# was (cuda_graphs_evicted): cells run before the cap existed (no cap) pool with capped ones
-CAPACITY_KEYS = ("hardware.cuda_graph_max_graphs",)
+# caps and policies on cached CUDA-graph state: they change when a graph is captured, never what a step
+# computes; the cell's metrics say what they did (cuda_graphs_evicted, cuda_graph_capture_s,
+# eager_decode_reasons): cells run before the option existed pool with later ones
+CAPACITY_KEYS = ("hardware.cuda_graph_max_graphs", "hardware.cuda_graph_capture_at")
 SHORT = {"model.name": "model", "tp": "tp", "workload.prefix_len": "Lp", "workload.batch": "B",
          "workload.num_prefixes": "k", "hardware.name": "hardware", "workload.kind": "workload"}
 THROUGHPUT = "output_throughput_tok_s"

@@ -176,7 +176,8 @@ def _load_cell(root: Path, cell: Path) -> tuple[str, dict, list[dict], list[str]
 # default, which kept the earlier behaviour): filled in so that old and new cells of one
 # configuration group together instead of splitting on a missing value
 ADDED_CONFIG_DEFAULTS = {"system.cascade_impl": "multilevel", "hardware.allreduce": "nccl",
-                         "hardware.allreduce_symm_max_mib": 8.0, "hardware.cuda_graph_max_graphs": 0}
+                         "hardware.allreduce_symm_max_mib": 8.0, "hardware.cuda_graph_max_graphs": 0,
+                         "hardware.cuda_graph_capture_at": 1}
 
 
 def load_results(root: str | Path = "results/raw") -> Results:

@@ -124,6 +124,12 @@ class HardwareConfig:
     # captured decode graphs kept at once (least recently replayed evicted first; 0 = no limit). A graph
     # is per (batch size, step structure); multi-prefix steps change structure as classes shrink
     cuda_graph_max_graphs: int = 128
+    # a decode step whose graph key holds split-off prefix classes (GraniKV, HydraGen, SGLang-Cascade's
+    # batch-global class) is captured at the N-th step of that structure and runs eagerly before, so
+    # structures seen once (multi-prefix steps under eviction) cost one eager step, not a capture;
+    # batch-size-only keys (SGLang default's; SGLang captures them at startup) at their first step.
+    # 1 = capture at the first step of every structure (every cell before this option existed)
+    cuda_graph_capture_at: int = 2
     chunked_prefill_size: int = 8192  # SGLang default
     max_running_requests: int = 1024
     gpu_memory_gib: float = 0.0       # per-GPU memory (0 = unknown); used to estimate the KV budget up front
@@ -145,6 +151,8 @@ class HardwareConfig:
         _need(self.kv_budget_tokens is None or self.kv_budget_tokens > 0, "hardware.kv_budget_tokens", "must be > 0")
         _need(self.cuda_graph_max_bs >= 0, "hardware.cuda_graph_max_bs", "must be >= 0 (0 = no CUDA graphs)")
         _need(self.cuda_graph_max_graphs >= 0, "hardware.cuda_graph_max_graphs", "must be >= 0 (0 = no limit)")
+        _need(self.cuda_graph_capture_at >= 1, "hardware.cuda_graph_capture_at",
+              "must be >= 1 (1 = capture a step structure at its first step)")
         _need(self.chunked_prefill_size > 0, "hardware.chunked_prefill_size", "must be > 0")
         _need(self.allreduce in ("nccl", "symm_one_shot"), "hardware.allreduce", "nccl | symm_one_shot")
         _need(self.allreduce != "symm_one_shot" or self.device == "cuda", "hardware.allreduce",

@@ -100,7 +100,7 @@ def _trace_plans(eng) -> list[dict]:
         assert batch.kv_indptr_host is not None and torch.equal(batch.kv_indptr_host, batch.kv_indptr.cpu())
         orig(batch, graph)
         ws = be._gpu.current
-        seen.append({"bs": batch.batch_size, "npad": batch.num_pad, "graph": graph, "key": be.graph_key(),
+        seen.append({"bs": batch.batch_size, "npad": batch.num_pad, "graph": be.last_plan_graph, "key": be.graph_key(),
                      "choices": tuple(c.choice for c in be._plan.classes), "full_cover": getattr(ws, "full_cover", None),
                      "multilevel": ws.multilevel, "set_graph": ws.graph})
     be.plan = plan
@@ -112,7 +112,8 @@ def test_eager_steps_share_one_wrapper_set(name):
     """Steps above cuda_graph_max_bs run eagerly on the GPU: they must share ONE eager wrapper set, not get
     a graph-mode set per batch size kept forever (regression: 8 MiB device + 8 MiB pinned each)."""
     reqs = _wave(12)
-    eng = flashinfer_engine(name, True, chunk=4096, cuda_graph_max_bs=4)
+    # capture_at=1: every graph-shaped step is planned in graph mode (the capture policy has its own test)
+    eng = flashinfer_engine(name, True, chunk=4096, cuda_graph_max_bs=4, cuda_graph_capture_at=1)
     seen = _trace_plans(eng)
     res = eng.run(reqs)
     check_tokens(res, reqs, reference(eng, reqs, "fi-wave12"))
@@ -135,7 +136,7 @@ def test_pad_rows_do_not_multiply_graph_keys():
     n_keys, pad_keys, full_keys = {}, {}, {}
     table = [{"lp_max": 50, "choice": "paged"}, {"meff_min": 14 * 4, "choice": "dense"}, {"choice": "cascade"}]
     for name in ["sglang_cascade", "hydragen", "granikv", "granikv_dense_only"]:
-        eng = flashinfer_engine(name, True, table=table, chunk=4096, cuda_graph_max_bs=32)
+        eng = flashinfer_engine(name, True, table=table, chunk=4096, cuda_graph_max_bs=32, cuda_graph_capture_at=1)
         seen = _trace_plans(eng)
         res = eng.run(reqs)
         check_tokens(res, reqs, reference(eng, reqs, "fi-wave24"))
@@ -195,3 +196,39 @@ def test_warmup_covers_every_graph_key_of_a_burst(name, budget):
     warm_keys = {s["key"] for s in seen[:calls[1]] if s["graph"]}
     new = {s["key"] for s in seen[calls[1]:] if s["graph"]} - warm_keys
     assert not new, sorted(new)[:3]
+
+
+@pytest.mark.parametrize("capture_at", [1, 2, 3])
+@pytest.mark.parametrize("name", ["sglang_default", "hydragen", "granikv"])
+def test_class_structures_captured_at_their_nth_step(name, capture_at):
+    """hardware.cuda_graph_capture_at: in the measured run, a graph key holding split-off prefix classes is
+    planned in graph mode (captured on the GPU) at its capture_at-th step and runs eagerly before (reason
+    new_step_structure, the eager wrapper set); a key of the batch size alone (sglang_default's: SGLang
+    captures those at startup) at its first step. The warm-up captures at the first step of every key."""
+    reqs = [r for w in (_wave(6, seed=3), _wave(6, lp=70, seed=4, first_rid=300)) for r in w]  # 2 classes
+    eng = flashinfer_engine(name, True, chunk=4096, cuda_graph_max_bs=16, cuda_graph_capture_at=capture_at)
+    seen = _trace_plans(eng)
+    res = eng.run(reqs)
+    check_tokens(res, reqs, reference(eng, reqs, "fi-two-waves"))
+    count: dict = {}
+    eager = 0
+    for s in seen:
+        key = (s["bs"], s["key"])
+        count[key] = count.get(key, 0) + 1
+        classes = bool(s["key"][3])
+        assert classes == (name != "sglang_default"), s
+        want = not classes or count[key] >= capture_at
+        assert s["graph"] is want and s["set_graph"] is want, (s, count[key])
+        eager += not want
+    # (eager reasons are recorded where graphs exist: tests/test_engine_gpu.py)
+    if name != "sglang_default" and capture_at > 1:
+        assert eager > 0
+    # with a warm-up of the same requests, every structure was met and captured there at its first step
+    eng = flashinfer_engine(name, True, chunk=4096, cuda_graph_max_bs=16, cuda_graph_capture_at=capture_at)
+    eng.cfg.warmup_requests = len(reqs)
+    seen = _trace_plans(eng)
+    calls, orig_serve = [], eng._serve
+    eng._serve = lambda requests, on_step: (calls.append(len(seen)), orig_serve(requests, on_step))[1]
+    eng.run(reqs)
+    assert eng.runner.capture_at == capture_at and len(calls) == 2   # warm-up, then the measured run
+    assert calls[1] > 0 and all(s["graph"] for s in seen[:calls[1]])

@@ -95,7 +95,11 @@ def test_gpu_engine_matches_reference_and_eager(system):
         dec = [s for s in res.steps if s["kind"] == "decode"]
         if graphs:
             assert any(s["cuda_graph"] for s in dec) and any(s["padded_bs"] > s["batch_size"] for s in dec)
-            assert not res.stats["eager_decode_reasons"], res.stats["eager_decode_reasons"]
+            # no warm-up here: a step structure with split-off classes runs eagerly until its
+            # cuda_graph_capture_at-th step (new_step_structure); nothing else runs eagerly
+            reasons = res.stats["eager_decode_reasons"]
+            assert set(reasons) <= {"new_step_structure"}, reasons
+            assert sum(s.get("eager_reason") == "new_step_structure" for s in dec) == reasons.get("new_step_structure", 0)
             worst = _worst_logit_diff(eng, out[graphs], reqs)
             assert worst < 0.05, f"{system}: decode logits differ from the reference by {worst:.3f} (relative)"
         del eng

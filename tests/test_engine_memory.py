@@ -46,6 +46,8 @@ def test_capture_cap_zero_keeps_every_graph():
 def test_cap_is_a_checked_setting():
     with pytest.raises(ValueError, match="hardware.cuda_graph_max_graphs"):
         HardwareConfig(cuda_graph_max_graphs=-1)
+    with pytest.raises(ValueError, match="hardware.cuda_graph_capture_at"):
+        HardwareConfig(cuda_graph_capture_at=0)
 
 
 def _fake_cuda(monkeypatch, allocated: int, free: int, total: int, reserved: int | None = None):

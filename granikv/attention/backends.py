@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -151,11 +151,12 @@ class PrefixAttentionBackend:
         raise NotImplementedError
 
     # ---- plan -----------------------------------------------------------------------------
-    def plan(self, batch: DecodeBatch, graph: Optional[bool] = None) -> None:
+    def plan(self, batch: DecodeBatch, graph: Optional[bool | Callable[[tuple], bool]] = None) -> None:
         """Group classes, choose a path per class, build the rest-of-request slot lists, plan kernels.
 
         ``graph`` (FlashInfer path only): False = the caller runs this step eagerly (no CUDA graph),
-        so one shared eager wrapper set is used even when ``cuda_graph=True``; None = ``cuda_graph``.
+        so one shared eager wrapper set is used even when ``cuda_graph=True``; None = ``cuda_graph``;
+        a callable gets this step's graph_key() and returns that bool (``last_plan_graph`` keeps it).
         Pad rows (the last ``batch.num_pad``) do not count in path decisions; in a class that goes
         ``paged`` they skip the prefix (1-token rows, as SGLang pads), their outputs being unused.
         """
@@ -227,8 +228,16 @@ class PrefixAttentionBackend:
         if nopfx:
             self.last_decisions.append({"prefix_id": -1, "batch": nopfx, "meff": nopfx * self.group,
                                         "prefix_len": 0, "hot": False, "backend": "paged"})
+        if callable(graph):   # the caller decides from this step's graph key (runner: capture policy)
+            graph = bool(graph(self.graph_key()))
+        self.last_plan_graph = graph
         if self._gpu is not None:
             self._gpu.plan(self._plan, graph)
+
+    def graph_key_has_classes(self) -> bool:
+        """Whether the planned step's graph_key() holds split-off prefix classes (a step structure that
+        can change at one batch size), not only the batch size (valid after plan())."""
+        return any(c.choice != "paged" for c in self._require_plan().classes)
 
     def graph_key(self) -> tuple:
         """Hashable of what a captured CUDA graph of run() depends on (valid after plan()).

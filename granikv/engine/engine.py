@@ -177,7 +177,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv, self.storage, self.backend, self.prefill_attn,
                                   max_rows=hw.max_running_requests, max_len=1,
                                   cuda_graph_max_bs=hw.cuda_graph_max_bs, use_graphs=use_graphs,
-                                  pad=bool(pad_batches), max_graphs=hw.cuda_graph_max_graphs)
+                                  pad=bool(pad_batches), max_graphs=hw.cuda_graph_max_graphs,
+                                  capture_at=hw.cuda_graph_capture_at)
         # graph keys independent of how many KV slots the rows hold: one shared index buffer of
         # (largest graph batch) x (longest possible row) int32, as SGLang's max_bs x context length
         self.backend.rest_capacity = graph_rest_capacity(self.runner.sizes, m.max_position_embeddings,
@@ -209,8 +210,14 @@ class Engine:
         self.validate(requests)
         warm = None
         if self.cfg.warmup_requests > 0:
-            warm = self._serve(warmup_requests(requests, self.cfg.warmup_requests,
-                                               self.cfg.model.max_position_embeddings), None)
+            # the warm-up captures every step structure at its first step (its purpose: the measured run
+            # replays graphs); the measured run captures class structures at their capture_at-th step
+            self.runner.capture_at = 1
+            try:
+                warm = self._serve(warmup_requests(requests, self.cfg.warmup_requests,
+                                                   self.cfg.model.max_position_embeddings), None)
+            finally:
+                self.runner.capture_at = self.cfg.hardware.cuda_graph_capture_at
         result = self._serve(requests, on_step)
         if warm is not None:
             result.stats["warmup"] = {"requests": len(warm.records), "steps": len(warm.steps),

@@ -16,6 +16,9 @@ function of the padded size and the other backends on their no-gather full-cover
 backends decide on real rows only, ``DecodeBatch.num_pad``) and replayed from a CUDA graph
 captured lazily per (padded size, backend.graph_key()); larger batches, CPU runs and backends that
 declare ``graph_safe = False`` run eagerly (planned with ``graph=False``: one eager wrapper set).
+A key holding split-off prefix classes is captured at its ``capture_at``-th step and runs eagerly
+before (reason ``new_step_structure``): under eviction a multi-prefix batch changes structure almost
+every step, and capturing each once-seen structure costs far more than running it eagerly.
 """
 from __future__ import annotations
 
@@ -101,7 +104,7 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, kv: KVCache, storage: Storage, backend, prefill_attn,
                  max_rows: int, max_len: int, cuda_graph_max_bs: int, use_graphs: bool, pad: bool,
-                 max_graphs: int = 0):
+                 max_graphs: int = 0, capture_at: int = 1):
         self.model, self.kv, self.storage = model, kv, storage
         self.backend, self.prefill_attn = backend, prefill_attn
         self.device = kv.device
@@ -118,6 +121,10 @@ class ModelRunner:
         self.graphs_captured = 0          # captures so far (evicted ones included)
         self.graphs_evicted = 0
         self.graph_pool = None
+        # capture policy: a graph key with split-off prefix classes is captured at its capture_at-th
+        # step (eager before); sightings per (padded bs, graph key), bounded, oldest forgotten first
+        self.capture_at = capture_at
+        self._sightings: OrderedDict[tuple, int] = OrderedDict()
         # every graph writes its logits into this one buffer (steps run one at a time and the logits are
         # consumed before the next launch): a graph-private output each, [bs, V] fp32 (131 MB at bs=256,
         # Llama-3.1-8B), pinned ~15 GiB across hundreds of multi-prefix graphs (H200, 2026-11-30)
@@ -242,7 +249,13 @@ class ModelRunner:
             # device asynchronously; the previous step's copies must have run before they are overwritten
             self._plan_copied.synchronize()
         t_plan = time.perf_counter()
-        self.backend.plan(batch, graph=bool(self.pad and self.sizes) and reason is None)
+        graph_shaped = bool(self.pad and self.sizes) and reason is None
+        if graph_shaped and self.capture_at > 1 and hasattr(self.backend, "graph_key_has_classes"):
+            self.backend.plan(batch, graph=lambda gkey: self._graph_ready((bs, gkey)))
+            if not self.backend.last_plan_graph:
+                reason = "new_step_structure"   # seen fewer than capture_at times
+        else:
+            self.backend.plan(batch, graph=graph_shaped)
         info["plan_us"] = (time.perf_counter() - t_plan) * 1e6
         info["dispatch_us"] = getattr(self.backend, "last_choose_us", 0.0)
         if self.device.type == "cuda":
@@ -264,6 +277,20 @@ class ModelRunner:
         toks = logits[:n].argmax(-1)
         self.last_tok[rows[:n]] = toks
         return PendingTokens(toks), info
+
+    def _graph_ready(self, key: tuple) -> bool:
+        """Capture policy, asked during plan() with this step's (padded bs, graph key): True = replay (or
+        capture) a graph of it now; False = run it eagerly. Keys of the batch size alone, and keys
+        already captured, are always ready; a key with split-off classes at its ``capture_at``-th step."""
+        if key in self.graphs or not self.backend.graph_key_has_classes():
+            return True
+        n = self._sightings.pop(key, 0) + 1
+        if n >= self.capture_at:
+            return True                   # captured now; an evicted graph counts its sightings again
+        self._sightings[key] = n
+        if len(self._sightings) > 8192:   # bounded: forget the least recently seen structures
+            self._sightings.popitem(last=False)
+        return False
 
     def _replay(self, bs: int, ids, pos, slots) -> torch.Tensor:
         self.ids_buf[:bs].copy_(ids)
