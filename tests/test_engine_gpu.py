@@ -179,6 +179,7 @@ def test_gpu_memory_graph_cap_evicts_and_stays_correct(system):
     for cap in (0, 2):
         cfg = _cfg(system, True)
         cfg.hardware.cuda_graph_max_graphs = cap
+        cfg.hardware.cuda_graph_capture_at = 1   # every structure captured at its first step: the cap is reached
         eng = Engine(cfg)
         eng.runner.logit_probe = LogitProbe(rows=4, steps=6)
         res = eng.run(reqs)
