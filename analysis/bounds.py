@@ -118,3 +118,36 @@ def calibration_line(res, claim: pd.Series) -> str:
     return (f"The dispatcher follows the decision table fitted on this GPU (runners.calibrate, "
             f"results/raw/calibration/fit-{model}*): at these points the calibration measured, per layer, "
             + _listed(parts) + (f"; {missing} point(s) lie between calibration Lp values" if missing else "") + ".")
+
+
+def kernel_pair_line(res, claim: pd.Series, a: str = "dense", b: str = "cascade") -> str:
+    """For the dense-only vs cascade-only TPOT claims: what the H200 calibration measured for one layer's
+    prefix attention on path ``a`` against path ``b`` at the (Lp, Meff) points of the claim's cells, so
+    the end-to-end TPOT ratio can be read against the kernel ratio behind it."""
+    df = Context(res).frame(claim.get("frame", "cells"))
+    cells = select(df, parse_selectors(claim["selectors"])) if not df.empty else df
+    k = res.kernels
+    need = {"k.prefix_len", "k.meff", f"k.times.{a}", f"k.times.{b}", "cell.shape.name"}
+    if cells.empty or "meff" not in cells.columns or k.empty or not need <= set(k.columns):
+        return ""
+    model = parse_selectors(claim["selectors"]).get("model.name", "").lstrip("=")
+    fit = k[k["k.meff"].notna() & (k["cell.shape.name"] == model)]
+    parts, missing = [], 0
+    points = cells[["workload.prefix_len", "meff"]].drop_duplicates().sort_values(["meff", "workload.prefix_len"])
+    for _, r in points.iterrows():
+        at = fit[(fit["k.prefix_len"] == r["workload.prefix_len"]) & (fit["k.meff"] == r["meff"])]
+        if at.empty:
+            missing += 1
+            continue
+        t = at.iloc[0]
+        ta, tb = t[f"k.times.{a}"] * 1e3, t[f"k.times.{b}"] * 1e3
+        parts.append(f"Lp={show(r['workload.prefix_len'])}, Meff={show(r['meff'])}: {a} {ta:.0f} us vs {b} "
+                     f"{tb:.0f} us ({ta / tb:.2f}x)")
+    if not parts:
+        return ""
+    return (f"One layer's prefix attention in the calibration (runners.calibrate, results/raw/calibration/"
+            f"fit-{model}*), {a} vs {b}: " + _listed(parts)
+            + (f"; {missing} point(s) have no calibration measurement" if missing else "")
+            + ". The rest of a decode step (weights, the other attention part, the merge) is common to both, "
+              "which pulls the end-to-end ratio towards 1.")
+

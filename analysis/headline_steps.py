@@ -109,6 +109,13 @@ def steps_vs(res: Results, cell: pd.Series, base: pd.Series) -> str:
             f"{d['prefill_s']:.2f} s ({g['prefill_s'] / (g['decode_s'] + g['prefill_s']):.0%} of GraniKV's step time), "
             f"mean decode batch {g['decode_batch_mean']:.0f} vs {d['decode_batch_mean']:.0f}, eager decode steps "
             f"{g['decode_eager_steps']} vs {d['decode_eager_steps']}")
+    gd, dd = (float(c.get("duration_s", np.nan)) for c in (cell, base))
+    if np.isfinite(gd) and np.isfinite(dd):
+        # overlap schedule: a decode step's wall time ends when the previous step's tokens are read back, so
+        # GPU time shows up in whichever host interval waits for it (a step, or the work between steps)
+        line += (f", outside steps {gd - g['decode_s'] - g['prefill_s']:.2f} s vs {dd - d['decode_s'] - d['prefill_s']:.2f} s "
+                 f"of {gd:.2f} s vs {dd:.2f} s (scheduling, admission and eviction between steps; with the "
+                 "overlap schedule, GPU time is counted in whichever host interval waits for it)")
     if g["decode_eager_steps"] and d["decode_eager_steps"]:
         line += (f" (no CUDA graph: {g['decode_eager_s']:.2f} s vs {d['decode_eager_s']:.2f} s, p50 "
                  f"{g['decode_eager_p50_ms']:.1f} vs {d['decode_eager_p50_ms']:.1f} ms per step; with graphs: "

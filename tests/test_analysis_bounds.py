@@ -72,3 +72,20 @@ def test_deviation_line_splits_by_side_of_one(frame):
     assert "(3 pairs, 1 within 10%)" in line
     assert "1 pair(s) lower than the baseline's by more than 10%: Lp=512" in line and "0.8500" in line
     assert "1 pair(s) higher than the baseline's by more than 10%: Lp=2048" in line and "1.2000" in line
+
+
+def test_kernel_pair_line_gives_the_calibration_ratio_at_each_claimed_point(frame):
+    kern = pd.DataFrame([{"cell.shape.name": "llama3_8b", "k.prefix_len": 8192, "k.meff": 1024,
+                          "k.times.dense": 0.144, "k.times.cascade": 0.202, "k.times.paged": 0.5},
+                         {"cell.shape.name": "qwen25_14b", "k.prefix_len": 2048, "k.meff": 1024,
+                          "k.times.dense": 0.5, "k.times.cascade": 0.1, "k.times.paged": 0.5}])
+    df = _routing({(8192, 256): 1.0, (2048, 256): 1.0, (8192, 128): 1.0}).assign(**{"system.name": "granikv_dense_only"})
+    res = frame(df, kern)
+    c = _claim("point", 0.67, "ratio", metric="tpot_p50_ms",
+               selectors="model.name=llama3_8b;system.name=granikv_dense_only;meff=1024",
+               baseline="system.name=granikv_cascade_only")
+    line = bounds.kernel_pair_line(res, c)
+    assert "Lp=8192, Meff=1024: dense 144 us vs cascade 202 us (0.71x)" in line
+    assert "Meff=512" not in line and "qwen" not in line                      # only the claim's cells and model
+    assert "1 point(s) have no calibration measurement" in line               # Lp=2048 is not calibrated for llama
+    assert bounds.kernel_pair_line(res, _claim("point", 0.67, selectors="model.name=none")) == ""
