@@ -92,6 +92,19 @@ def deviation_line(res, claim: pd.Series) -> str:
             + "; ".join(out) + ".")
 
 
+def _calibration_at(res, claim: pd.Series, points: pd.DataFrame) -> tuple[str, list[tuple[pd.Series, pd.Series | None]]]:
+    """The claim's model and, per row of ``points`` (workload.prefix_len, meff), the calibration kernel row
+    measured there for that model's shape (None where the calibration has no such point)."""
+    k = res.kernels
+    model = parse_selectors(claim["selectors"]).get("model.name", "").lstrip("=")
+    fit = k[k["k.meff"].notna() & (k["cell.shape.name"] == model)]
+    out = []
+    for _, r in points.iterrows():
+        at = fit[(fit["k.prefix_len"] == r["workload.prefix_len"]) & (fit["k.meff"] == r["meff"])]
+        out.append((r, None if at.empty else at.iloc[0]))
+    return model, out
+
+
 def calibration_line(res, claim: pd.Series) -> str:
     """For the routing claims: what the H200 calibration measured at the violating (Lp, Meff)
     points (one layer's prefix attention, ms), i.e. why the fitted decision table chose as it did."""
@@ -100,15 +113,11 @@ def calibration_line(res, claim: pd.Series) -> str:
     need = {"k.prefix_len", "k.meff", "k.times.dense", "k.times.cascade", "k.times.paged", "cell.shape.name"}
     if bad.empty or k.empty or not need <= set(k.columns) or "meff" not in bad.columns:
         return ""
-    model = parse_selectors(claim["selectors"]).get("model.name", "").lstrip("=")
-    fit = k[k["k.meff"].notna() & (k["cell.shape.name"] == model)]
-    parts, missing = [], 0
-    for _, r in bad.iterrows():
-        at = fit[(fit["k.prefix_len"] == r["workload.prefix_len"]) & (fit["k.meff"] == r["meff"])]
-        if at.empty:
-            missing += 1
+    model, rows = _calibration_at(res, claim, bad)
+    parts, missing = [], sum(t is None for _, t in rows)
+    for r, t in rows:
+        if t is None:
             continue
-        t = at.iloc[0]
         best = min(("dense", "cascade", "paged"), key=lambda b: t[f"k.times.{b}"])
         parts.append(f"Lp={show(r['workload.prefix_len'])}, Meff={show(r['meff'])}: dense "
                      f"{t['k.times.dense'] * 1e3:.0f} us, cascade {t['k.times.cascade'] * 1e3:.0f} us, paged "
@@ -130,16 +139,12 @@ def kernel_pair_line(res, claim: pd.Series, a: str = "dense", b: str = "cascade"
     need = {"k.prefix_len", "k.meff", f"k.times.{a}", f"k.times.{b}", "cell.shape.name"}
     if cells.empty or "meff" not in cells.columns or k.empty or not need <= set(k.columns):
         return ""
-    model = parse_selectors(claim["selectors"]).get("model.name", "").lstrip("=")
-    fit = k[k["k.meff"].notna() & (k["cell.shape.name"] == model)]
-    parts, missing = [], 0
     points = cells[["workload.prefix_len", "meff"]].drop_duplicates().sort_values(["meff", "workload.prefix_len"])
-    for _, r in points.iterrows():
-        at = fit[(fit["k.prefix_len"] == r["workload.prefix_len"]) & (fit["k.meff"] == r["meff"])]
-        if at.empty:
-            missing += 1
+    model, rows = _calibration_at(res, claim, points)
+    parts, missing = [], sum(t is None for _, t in rows)
+    for r, t in rows:
+        if t is None:
             continue
-        t = at.iloc[0]
         ta, tb = t[f"k.times.{a}"] * 1e3, t[f"k.times.{b}"] * 1e3
         parts.append(f"Lp={show(r['workload.prefix_len'])}, Meff={show(r['meff'])}: {a} {ta:.0f} us vs {b} "
                      f"{tb:.0f} us ({ta / tb:.2f}x)")
