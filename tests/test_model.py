@@ -102,6 +102,18 @@ def test_tp_shards_concatenate_to_tp1(tp):
     torch.testing.assert_close(torch.cat([p.lm_head for p in parts], 0), full.lm_head)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_tp_shards_hold_only_their_own_storage(tied):
+    """Every weight of a TP rank owns storage of its shard's size, not a view into the whole
+    weight: a dim-0 slice (embedding, LM head) kept the full tensor alive, which is memory the KV
+    budget (mem_fraction of free memory) then lacked (2.2 GiB per rank for Qwen2.5-32B at TP=4)."""
+    cfg = ModelConfig(num_heads=8, num_kv_heads=4, intermediate_size=128, tie_word_embeddings=tied)
+    m = CausalLM(cfg, _FakeTP(4, 1), 0, "cpu", torch.float32)
+    for name, t in m.named_parameters():
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
+    assert m.embed.shape[0] == cfg.vocab_size // 4
+
+
 def test_tp_must_divide():
     with pytest.raises(ValueError, match="intermediate_size"):
         CausalLM(ModelConfig(num_heads=8, num_kv_heads=4, intermediate_size=130), _FakeTP(4, 0), 0, "cpu", torch.float32)
