@@ -215,3 +215,31 @@ def test_gpu_memory_budget_ignores_an_earlier_cached_segment():
     del big
     after = budget()
     assert abs(after - clean) <= 0.01 * clean, (clean, after)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tp", [1, 4])
+def test_gpu_memory_weights_leave_nothing_cached_or_pinned(tp):
+    """Building a TP rank's weights leaves exactly the parameters allocated and no cached segment a
+    parameter pins: a rank whose weights were drawn into fresh temporaries held its shards inside
+    the freed temporaries' segments (2.5 GiB cached yet unreleasable per rank for Qwen2.5-32B at
+    TP=4, seen 2026-11-30), which the KV budget then refused. A Qwen2.5-32B-wide model, 4 layers."""
+    from granikv.engine.model import CausalLM, TPGroup
+
+    class _Rank(TPGroup):
+        def __init__(self, size, rank):
+            self.size, self.rank = size, rank
+
+    cfg = ModelConfig(name="wide", num_layers=4, hidden_size=5120, num_heads=40, num_kv_heads=8, head_dim=128,
+                      intermediate_size=27648, vocab_size=152064, qkv_bias=True)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    m = CausalLM(cfg, TPGroup(1) if tp == 1 else _Rank(tp, tp - 1), 0, torch.device("cuda"), torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    own = sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
+    held = torch.cuda.memory_allocated() - base
+    stuck = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    assert held <= own + (64 << 20), f"tp={tp}: {held / 2**30:.2f} GiB allocated for {own / 2**30:.2f} GiB of weights"
+    assert stuck <= 64 << 20, f"tp={tp}: {stuck / 2**30:.2f} GiB cached and not releasable"
+    del m

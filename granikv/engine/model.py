@@ -101,23 +101,59 @@ class TPGroup:
         return torch.cat(parts, dim=-1) if out is None else torch.cat(parts, dim=-1, out=out)
 
 
-def _seeded(shape: tuple[int, ...], std: float, seed: int, name: str, device, dtype) -> torch.Tensor:
-    """Whole weight ``shape`` ~ N(0, std^2) from a generator seeded by (seed, name), on ``device``."""
-    g = torch.Generator(device=device)
-    g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
-    w = torch.empty(shape, device=device, dtype=torch.float32)
-    w.normal_(0.0, std, generator=g)
-    return w.to(dtype)
+class WeightSource:
+    """Seeded random weights, drawn whole and sliced for this TP rank, with no stray GPU memory.
 
+    ``draw(name, shape, std)`` fills one reused fp32 staging buffer from a generator seeded by
+    (seed, name), rounds it into one reused ``dtype`` buffer and returns a view of that (valid until
+    the next draw); ``shard`` / ``shard_into`` copy this rank's slice out into storage of its own.
+    Both staging buffers are allocated once, before any parameter, and freed with this object, so
+    the caching allocator never carves a parameter out of a freed temporary's segment: drawing each
+    weight into a fresh tensor left parameters pinning those segments (2.5 GiB per rank cached yet
+    unreleasable for Qwen2.5-32B at TP=4, seen 2026-11-30), and the KV budget lacked that memory.
 
-def _shard(w: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
-    """This rank's 1/tp.size slice of ``w`` along ``dim``, in storage of its own.
+    ``max_numel``: the largest weight's element count (the staging buffers' size)."""
 
-    A copy, never a view: a dim-0 slice of a contiguous tensor is already contiguous, so
-    ``.contiguous()`` returned a view that kept the whole weight alive (seen on the H200 at TP=4,
-    2026-11-30: Qwen2.5-32B's embedding and LM head held 2.2 GiB per rank beyond their shards)."""
-    n = w.shape[dim] // tp.size
-    return w.narrow(dim, tp.rank * n, n).clone(memory_format=torch.contiguous_format)
+    def __init__(self, seed: int, device, dtype, max_numel: int):
+        self.seed, self.device, self.dtype = seed, device, dtype
+        self._f32 = torch.empty(max_numel, device=device, dtype=torch.float32)   # [max_numel]
+        self._low = torch.empty(max_numel, device=device, dtype=dtype)           # [max_numel]
+
+    def draw(self, name: str, shape: tuple[int, ...], std: float) -> torch.Tensor:
+        """Whole weight ``shape`` ~ N(0, std^2), a view of the staging buffer (copy out what is kept)."""
+        n = math.prod(shape)
+        if n > self._f32.numel():
+            raise ValueError(f"weight {name} {shape} exceeds the staging buffer ({self._f32.numel()} elements)")
+        g = torch.Generator(device=self.device)
+        g.manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
+        w = self._f32[:n].view(shape)
+        w.normal_(0.0, std, generator=g)
+        low = self._low[:n].view(shape)
+        low.copy_(w)
+        return low
+
+    @staticmethod
+    def slice(w: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
+        """This rank's 1/tp.size slice of ``w`` along ``dim`` (a view)."""
+        n = w.shape[dim] // tp.size
+        return w.narrow(dim, tp.rank * n, n)
+
+    def shard(self, name: str, shape: tuple[int, ...], std: float, dim: int, tp: TPGroup) -> torch.Tensor:
+        """This rank's slice of weight ``name`` along ``dim``, in storage of its own (a copy, never a
+        view: a dim-0 slice is contiguous, and ``.contiguous()`` would keep the whole weight alive)."""
+        return self.slice(self.draw(name, shape, std), dim, tp).clone(memory_format=torch.contiguous_format)
+
+    def shard_into(self, out: torch.Tensor, parts: list[tuple[str, tuple[int, ...], float]], tp: TPGroup) -> torch.Tensor:
+        """Fill ``out`` with the dim-0 slices of ``parts`` (name, shape, std), concatenated in order
+        (the fused qkv / gate_up projections), without a temporary per part."""
+        row = 0
+        for name, shape, std in parts:
+            piece = self.slice(self.draw(name, shape, std), 0, tp)
+            out[row:row + piece.shape[0]].copy_(piece)
+            row += piece.shape[0]
+        if row != out.shape[0]:
+            raise ValueError(f"shard_into: the parts fill {row} of {out.shape[0]} rows")
+        return out
 
 
 class RMSNorm(nn.Module):
@@ -178,32 +214,36 @@ class RotaryEmbedding(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP; column-parallel in, row-parallel out, all-reduce after each."""
 
-    def __init__(self, cfg: ModelConfig, idx: int, tp: TPGroup, seed: int, device, dtype, ops: LayerOps | None = None):
+    def __init__(self, cfg: ModelConfig, idx: int, tp: TPGroup, src: WeightSource, ops: LayerOps | None = None):
         super().__init__()
         self.ops = ops or LayerOps(False)
         H, D, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        I = cfg.intermediate_size
         self.idx, self.tp = idx, tp
         self.hq, self.hkv, self.d = hq // tp.size, hkv // tp.size, D
         self.scale = D ** -0.5
-
-        def w(name, shape, std):
-            return _seeded(shape, std, seed, f"layers.{idx}.{name}", device, dtype)
+        device, dtype = src.device, src.dtype
+        pre = f"layers.{idx}."
 
         def p(t):
             return nn.Parameter(t, requires_grad=False)
 
         # q/k/v drawn separately and sharded by heads, then fused: [(hq+2hkv)_local * D, H]
-        q, k, v = w("q", (hq * D, H), H ** -0.5), w("k", (hkv * D, H), H ** -0.5), w("v", (hkv * D, H), H ** -0.5)
-        self.qkv_w = p(torch.cat([_shard(q, 0, tp), _shard(k, 0, tp), _shard(v, 0, tp)]))
+        qkv_rows = (self.hq + 2 * self.hkv) * D
+        self.qkv_w = p(src.shard_into(torch.empty(qkv_rows, H, device=device, dtype=dtype),
+                                      [(pre + "q", (hq * D, H), H ** -0.5), (pre + "k", (hkv * D, H), H ** -0.5),
+                                       (pre + "v", (hkv * D, H), H ** -0.5)], tp))
         if cfg.qkv_bias:
-            qb, kb, vb = w("qb", (hq * D,), 0.02), w("kb", (hkv * D,), 0.02), w("vb", (hkv * D,), 0.02)
-            self.qkv_b = p(torch.cat([_shard(qb, 0, tp), _shard(kb, 0, tp), _shard(vb, 0, tp)]))
+            self.qkv_b = p(src.shard_into(torch.empty(qkv_rows, device=device, dtype=dtype),
+                                          [(pre + "qb", (hq * D,), 0.02), (pre + "kb", (hkv * D,), 0.02),
+                                           (pre + "vb", (hkv * D,), 0.02)], tp))
         else:
             self.qkv_b = None
-        self.o_w = p(_shard(w("o", (H, hq * D), (hq * D) ** -0.5), 1, tp))       # [H, hq_local*D]
-        gate, up = w("gate", (cfg.intermediate_size, H), H ** -0.5), w("up", (cfg.intermediate_size, H), H ** -0.5)
-        self.gate_up_w = p(torch.cat([_shard(gate, 0, tp), _shard(up, 0, tp)]))  # [2*I_local, H]
-        self.down_w = p(_shard(w("down", (H, cfg.intermediate_size), cfg.intermediate_size ** -0.5), 1, tp))
+        self.o_w = p(src.shard(pre + "o", (H, hq * D), (hq * D) ** -0.5, 1, tp))           # [H, hq_local*D]
+        self.gate_up_w = p(src.shard_into(torch.empty(2 * (I // tp.size), H, device=device, dtype=dtype),
+                                          [(pre + "gate", (I, H), H ** -0.5), (pre + "up", (I, H), H ** -0.5)],
+                                          tp))                                                # [2*I_local, H]
+        self.down_w = p(src.shard(pre + "down", (H, I), I ** -0.5, 1, tp))                  # [H, I_local]
         self.in_norm = RMSNorm(H, cfg.rms_norm_eps, device, dtype, self.ops)
         self.post_norm = RMSNorm(H, cfg.rms_norm_eps, device, dtype, self.ops)
 
@@ -237,17 +277,19 @@ class CausalLM(nn.Module):
                                  f"of model '{cfg.name}'")
         self.cfg, self.tp = cfg, tp
         self.vocab_local = cfg.vocab_size // tp.size
-        embed = _seeded((cfg.vocab_size, cfg.hidden_size), 1.0, seed, "embed", device, dtype)
-        self.embed = nn.Parameter(_shard(embed, 0, tp), requires_grad=False)            # [V_local, H]
+        H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+        # the staging buffers first, so that no parameter lands in a segment a temporary frees
+        src = WeightSource(seed, device, dtype,
+                           max(V * H, I * H, cfg.num_heads * cfg.head_dim * H))
+        self.embed = nn.Parameter(src.shard("embed", (V, H), 1.0, 0, tp), requires_grad=False)     # [V_local, H]
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed
         else:
-            head = _seeded((cfg.vocab_size, cfg.hidden_size), cfg.hidden_size ** -0.5, seed, "lm_head", device, dtype)
-            self.lm_head = nn.Parameter(_shard(head, 0, tp), requires_grad=False)      # [V_local, H]
-        del embed
+            self.lm_head = nn.Parameter(src.shard("lm_head", (V, H), H ** -0.5, 0, tp),
+                                        requires_grad=False)                                     # [V_local, H]
         self.rope = RotaryEmbedding(cfg, device, self.ops)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, seed, device, dtype, self.ops)
-                                    for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, src, self.ops) for i in range(cfg.num_layers))
+        del src   # the staging buffers' segments hold nothing else: the KV budget's empty_cache() returns them
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype, self.ops)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
