@@ -86,6 +86,13 @@ def kv_budget_tokens(cfg: RunConfig, bytes_per_token: int, device: torch.device,
                            f"share segments with live ones (an earlier engine's segments now holding this one's "
                            f"tensors), so the KV budget (hardware.mem_fraction of free memory) would be smaller "
                            f"than its neighbours'. Run the cell in a fresh process.")
+    if cfg.tp > 1:
+        # NCCL allocates its buffers at a communicator's first collective, outside torch's allocator:
+        # take them before reading free memory (SGLang's NCCL communicator warms up at its init), else
+        # the first cell of a TP sweep process counts them as KV memory (seen at TP=4, 2026-11-30: the
+        # first cell's budget 2% above the later cells')
+        dist.all_reduce(torch.zeros(1, device=device))
+        torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
     avail = free - total * (1.0 - hw.mem_fraction)  # SGLang's mem_fraction_static rule
     n = int(avail // bytes_per_token)
