@@ -268,7 +268,7 @@ def stat_roofline_shift(ctx: Context, c: pd.Series, sel: dict, base: dict) -> Ou
 
 
 def stat_amdahl(ctx: Context, c: pd.Series, sel: dict, base: dict) -> Outcome:
-    from analysis.amdahl import amdahl_frame
+    from analysis.amdahl import PROFILED, amdahl_frame
     from analysis.common import config_label
     t = amdahl_frame(ctx.res)
     label = config_label(c["model"], int(c["tp"]))
@@ -279,8 +279,12 @@ def stat_amdahl(ctx: Context, c: pd.Series, sel: dict, base: dict) -> Outcome:
     if _missing(r["measured"]):
         return Outcome(why=f"no granikv/sglang_default throughput pair at B=256, Lp=8K for {label}")
     ok = bool(r["predicted_paper_s"] > r["measured"])
+    # the GPUs of the cells the measured ratio came from (profiled ones where no plain pair exists)
+    cells = with_dispatch(ctx.res.cells)
+    inst = "=True" if r["measured_from"] == PROFILED else "=False"
+    src = select(cells, {"kind": "=serving", "instrumented": inst}) if not cells.empty else cells
     return Outcome(ok, f"f={r['f_attention_share']:.3f}: predicted {r['predicted_paper_s']:.2f} (s=15.6) vs measured "
-                       f"{r['measured']:.2f}", 1, gpus=_gpus(select(ctx.frame("cells"), sel)))
+                       f"{r['measured']:.2f} ({r['measured_from']})", 1, gpus=_gpus(select(src, sel) if not src.empty else src))
 
 
 def stat_trace_speedup(ctx: Context, c: pd.Series, sel: dict, base: dict) -> Outcome:

@@ -7,6 +7,7 @@ Tables are written with fixed float formatting and sorted rows, so they are byte
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 from itertools import product
@@ -257,6 +258,23 @@ def rename_short(df: pd.DataFrame) -> pd.DataFrame:
     return df.rename(columns={k: v for k, v in SHORT.items() if k in df.columns})
 
 
+# config values that are long JSON lists (a calibrated decision table): markdown tables show a digest
+LONG_JSON_KEYS = ("hardware.decision_table",)
+
+
+def json_digest(v: object) -> object:
+    """A JSON list as ``<n> rules #<sha1[:8]>`` (other values unchanged)."""
+    if not isinstance(v, str) or not v.startswith("["):
+        return v
+    import hashlib
+
+    try:
+        n = len(json.loads(v))
+    except ValueError:
+        return v
+    return f"{n} rules #{hashlib.sha1(v.encode()).hexdigest()[:8]}"
+
+
 def write_table(df: pd.DataFrame, name: str, out: Path, digits: dict[str, int] | None = None,
                 title: str = "", note: str = "") -> pd.DataFrame:
     """Write ``out/tables/<name>.csv`` and ``.md`` with fixed formatting; return the text frame."""
@@ -275,9 +293,13 @@ def write_table(df: pd.DataFrame, name: str, out: Path, digits: dict[str, int] |
     lines = [f"# {title or name}", ""]
     if note:
         lines += [note, ""]
-    lines.append("| " + " | ".join(text.columns) + " |")
-    lines.append("|" + "|".join("---" for _ in text.columns) + "|")
-    lines += ["| " + " | ".join(str(v).replace("|", "/") for v in r) + " |" for r in text.itertuples(index=False)]
+    shown = text.copy()
+    for c in shown.columns:
+        if c in LONG_JSON_KEYS:  # the CSV keeps the whole JSON; the markdown a digest that still tells tables apart
+            shown[c] = [json_digest(v) for v in shown[c]]
+    lines.append("| " + " | ".join(shown.columns) + " |")
+    lines.append("|" + "|".join("---" for _ in shown.columns) + "|")
+    lines += ["| " + " | ".join(str(v).replace("|", "/") for v in r) + " |" for r in shown.itertuples(index=False)]
     if text.empty:
         lines.append(f"\n({NOT_MEASURED}: no cells of this kind under the results folder)")
     (tdir / f"{name}.md").write_text("\n".join(lines) + "\n")

@@ -6,6 +6,9 @@ From each headline cell's trace (steps.jsonl, measured steps only; warm-up exclu
 - ``decode_full_p50_ms``: p50 decode step at full batch (``batch_size >= 0.9 * B``), the step
   the prefix attention backends differ on most;
 - ``decode_batch_mean``: mean decode batch size; ``prefill_steps``: number of prefill steps;
+  ``prefill_p50_ms``: p50 prefill step (the same prompts in every cell of a configuration, so two
+  systems' prefill steps should take about as long; a pair that differs here ran differently);
+- ``commit``: the code version(s) of the cell (provenance git commit);
 - ``decode_eager_s`` / ``_steps`` / ``_p50_ms``: decode steps run without a CUDA graph (e.g. above
   ``cuda_graph_max_bs``), where host launch cost is not hidden;
 - ``*_vs_sglang_default``: the same quantity over sglang_default's in the same configuration.
@@ -27,10 +30,10 @@ NAME = "headline_steps"
 FIGURES: tuple[str, ...] = ()
 FULL = 0.9          # a decode step is "at full batch" from 90% of the configured batch on
 KEYS = ["config", "workload.prefix_len", "system.name"]
-COLS = ["decode_full_p50_ms", "decode_s", "prefill_s", "prefill_steps", "decode_batch_mean"]
+COLS = ["decode_full_p50_ms", "decode_s", "prefill_s", "prefill_steps", "prefill_p50_ms", "decode_batch_mean", "commit"]
 DIGITS = {"decode_full_p50_ms": 2, "decode_s": 1, "prefill_s": 1, "decode_batch_mean": 1,
           "decode_full_p50_ms_vs_sglang_default": 2, "decode_s_vs_sglang_default": 2,
-          "prefill_s_vs_sglang_default": 2, "duration_s": 1, "decode_eager_s": 1, "decode_eager_p50_ms": 2}
+          "prefill_s_vs_sglang_default": 2, "prefill_p50_ms": 1, "duration_s": 1, "decode_eager_s": 1, "decode_eager_p50_ms": 2}
 
 
 def cell_steps(path: str | Path, batch: int) -> dict:
@@ -50,6 +53,7 @@ def cell_steps(path: str | Path, batch: int) -> dict:
             "decode_full_steps": len(full),
             "decode_s": float(dec["step_time_s"].sum()), "prefill_s": float(pre["step_time_s"].sum()),
             "prefill_steps": len(pre),
+            "prefill_p50_ms": float(pre["step_time_s"].median() * 1e3) if len(pre) else np.nan,
             "decode_batch_mean": float(dec["batch_size"].mean()) if len(dec) else np.nan}
 
 
@@ -61,8 +65,12 @@ def breakdown(res: Results) -> pd.DataFrame:
     rows = []
     for _, c in cells.iterrows():
         rows.append({**{k: c.get(k) for k in KEYS}, "duration_s": c.get("duration_s"),
+                     "commit": str(c.get("provenance.git_commit") or "?")[:7],
                      **cell_steps(Path(res.root) / c["path"], int(c["workload.batch"]))})
-    t = pd.DataFrame(rows).groupby(KEYS, dropna=False, as_index=False).mean(numeric_only=True)
+    raw = pd.DataFrame(rows)
+    t = raw.groupby(KEYS, dropna=False, as_index=False).mean(numeric_only=True)
+    commits = raw.groupby(KEYS, dropna=False)["commit"].agg(lambda v: ",".join(sorted(set(v))))
+    t["commit"] = [commits.get(tuple(k), "") for k in t[KEYS].itertuples(index=False)]
     base = t[t["system.name"] == "sglang_default"].set_index(KEYS[:-1])
     for col in ("decode_full_p50_ms", "decode_s", "prefill_s"):
         ref = t.set_index(KEYS[:-1]).index.map(lambda k: base[col].get(k, np.nan) if k in base.index else np.nan)

@@ -98,6 +98,24 @@ def _read_config(path: Path) -> dict:
     return cfg
 
 
+def applicable_table(config: dict) -> dict:
+    """``config`` with ``hardware.decision_table`` cut to the rules the cell's dispatcher could use
+    (its GPU and per-rank attention shape, granikv.attention.dispatch.rule_applies): the preset's
+    table gains rules for other shapes as they are calibrated, which never change a run, and must not
+    tell two otherwise equal configurations apart."""
+    hw, model, tp = config.get("hardware"), config.get("model"), config.get("tp")
+    if not (isinstance(hw, dict) and isinstance(model, dict) and isinstance(hw.get("decision_table"), list)
+            and isinstance(tp, int) and tp > 0
+            and all(isinstance(model.get(k), int) for k in ("num_heads", "num_kv_heads", "head_dim"))):
+        return config
+    from granikv.attention.dispatch import rule_applies
+
+    gpu = hw.get("gpu_name") or (config.get("provenance") or {}).get("gpu_name") or ""
+    shape = (model["num_heads"] // tp, model["num_kv_heads"] // tp, model["head_dim"])
+    rules = [r for r in hw["decision_table"] if isinstance(r, dict) and rule_applies(r, gpu, shape)]
+    return {**config, "hardware": {**hw, "decision_table": rules}}
+
+
 def cell_kind(cell: Path, config: dict) -> str:
     """``config['cell_kind']`` when given, else ``kernel`` for a folder with kernel.jsonl, else ``serving``."""
     kind = config.get("cell_kind")
@@ -144,7 +162,7 @@ def _load_cell(root: Path, cell: Path) -> tuple[str, dict, list[dict], list[str]
             _need(rawio_exists(cell / f), cell / f, "<file>", f"is missing: a finished {kind} cell needs {REQUIRED_FILES[kind]}")
         metrics = _read_dict(cell / "metrics.json")
         check_metrics(cell / "metrics.json", kind, metrics)
-        flat_cfg = flatten(config)
+        flat_cfg = flatten(applicable_table(config) if kind == "serving" else config)
         row = {**base, "kind": kind, **flat_cfg}
         for k, v in flatten(metrics).items():  # a metric named like a config key (engine stats: tp)
             if k not in row:

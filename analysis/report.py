@@ -240,8 +240,29 @@ def steps_line(res: Results, claim: pd.Series, cache: dict) -> str:
     parts = [f"Lp={int(r['workload.prefix_len'])}: {r['decode_full_p50_ms_vs_sglang_default']:.2f}x / "
              f"{r['decode_s_vs_sglang_default']:.2f}x / {r['prefill_s_vs_sglang_default']:.2f}x"
              for _, r in g.iterrows()]
-    return ("Step breakdown (GraniKV over sglang_default: full-batch decode step p50 / total decode time / "
+    line = ("Step breakdown (GraniKV over sglang_default: full-batch decode step p50 / total decode time / "
             "total prefill time; below 1 = GraniKV spends less): " + "; ".join(parts) + " (tables/headline_steps).")
+    return line + split_pairs_line(t, label)
+
+
+def split_pairs_line(t: pd.DataFrame, label: str) -> str:
+    """The Lp points of ``label`` where GraniKV and sglang_default were measured at different code
+    versions, with their p50 prefill steps (same prompts, so they should match): such a pair may
+    compare two device runs as much as two systems."""
+    if "commit" not in t.columns:
+        return ""
+    g = t[t["config"] == label]
+    out = []
+    for lp, h in g.groupby("workload.prefix_len", sort=True):
+        a, b = h[h["system.name"] == "granikv"], h[h["system.name"] == "sglang_default"]
+        if a.empty or b.empty or a["commit"].iloc[0] == b["commit"].iloc[0]:
+            continue
+        out.append(f"Lp={int(lp)} (GraniKV at {a['commit'].iloc[0]}, sglang_default at {b['commit'].iloc[0]}; "
+                   f"p50 prefill step {a['prefill_p50_ms'].iloc[0]:.1f} vs {b['prefill_p50_ms'].iloc[0]:.1f} ms)")
+    if not out:
+        return ""
+    return (" Pairs measured at different code versions, i.e. in different device runs: " + "; ".join(out)
+            + ". Both systems prefill the same prompts, so unequal prefill steps there mean the runs differed.")
 
 
 # Vendor datasheet figures (dense bf16 tensor-core peak, HBM bandwidth): what an absolute time can be

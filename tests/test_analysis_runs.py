@@ -242,6 +242,33 @@ def test_report_lists_code_versions_per_sweep(res):
     assert "mixed code versions" in line and "fffffff" in line and line.count(": 1") >= 1
 
 
+def test_amdahl_measures_profiled_pairs_by_step_time_not_wall_time(raw, tmp_path):
+    """Without a plain pair, Amdahl's measured ratio comes from the profiled cells' summed step time
+    (the profiler's start and trace export fall between steps, inside the run's wall time), and it
+    never comes from a profiled cell's throughput."""
+    from analysis import amdahl
+
+    root = tmp_path / "raw"
+    _run("runners.run", ["-m", *SERVING, "system=granikv,sglang_default", "workload.prefix_len=64",
+                         "workload.batch=2", "profile_steps=2", "sweep_name=prof", f"results_dir={root}"])
+    r = load_results(root)
+    sel = {"workload.prefix_len": "=64", "workload.batch": "=2"}
+    steps = {}
+    for _, c in r.cells.iterrows():
+        s = load_steps(root / c["path"])
+        steps[c["system.name"]] = s["step_time_s"].sum()
+    want = steps["sglang_default"] / steps["granikv"]
+    assert amdahl.step_time_ratio(r, sel) == pytest.approx(want)
+    got, src = amdahl.measured_ratio(r, "tiny", 1, cell=sel)
+    assert src == amdahl.PROFILED and got == pytest.approx(want)
+    thr = r.cells.set_index("system.name")["output_throughput_tok_s"]
+    assert got != pytest.approx(thr["granikv"] / thr["sglang_default"], rel=1e-9)
+    # the plain pair of the session fixture wins over profiled cells
+    plain, src = amdahl.measured_ratio(load_results(raw), "tiny", 1,
+                                       cell={"workload.prefix_len": "=64", "workload.batch": "=4"})
+    assert src == amdahl.PLAIN and plain > 0
+
+
 def test_headline_step_breakdown_on_runner_output(res, raw, monkeypatch):
     from analysis import headline_steps
     # the runner's grid (synthetic, B=4) stands in for the headline selection
@@ -262,6 +289,8 @@ def test_headline_step_breakdown_on_runner_output(res, raw, monkeypatch):
         base = t[(t["system.name"] == "sglang_default") & (t["workload.prefix_len"] == r["workload.prefix_len"])].iloc[0]
         assert r["decode_s_vs_sglang_default"] == pytest.approx(r["decode_s"] / base["decode_s"])
     assert (t.loc[t["system.name"] == "sglang_default", "prefill_s_vs_sglang_default"] == 1.0).all()
+    commits = {str(c)[:7] for c in res.cells["provenance.git_commit"]}
+    assert set(t["commit"]) <= commits and (t["prefill_p50_ms"] > 0).all()
 
 
 def test_config_key_added_later_takes_its_default_for_older_cells(raw, tmp_path):

@@ -73,6 +73,18 @@ class _DecisionCache(dict):
         return choice
 
 
+def rule_applies(rule: dict, gpu_name: str, shape: tuple[int, int, int]) -> bool:
+    """Whether a table rule is for this GPU (``gpu`` "*" or missing: any) and per-rank attention
+    ``shape`` (num_q_heads, num_kv_heads, head_dim; a missing key: any)."""
+    gpu = rule.get("gpu", "*")
+    if gpu not in ("*", None) and str(gpu).lower() != (gpu_name or "").lower():
+        return False
+    for key, val in zip(("num_q_heads", "num_kv_heads", "head_dim"), shape):
+        if rule.get(key) is not None and rule[key] != val:
+            return False
+    return True
+
+
 class Dispatcher:
     """Chooses dense / cascade / paged per prefix class from (Lp, B_class) for one GPU and shape.
 
@@ -110,13 +122,7 @@ class Dispatcher:
         return cls(num_q_heads, num_kv_heads, head_dim, name, getattr(hw_cfg, "decision_table", None), mode)
 
     def _matches(self, r: dict) -> bool:
-        gpu = r.get("gpu", "*")
-        if gpu not in ("*", None) and gpu.lower() != self.gpu_name.lower():
-            return False
-        for key, val in zip(("num_q_heads", "num_kv_heads", "head_dim"), self.shape):
-            if r.get(key) is not None and r[key] != val:
-                return False
-        return True
+        return rule_applies(r, self.gpu_name, self.shape)
 
     @property
     def decisions(self) -> dict:

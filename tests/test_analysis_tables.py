@@ -1,0 +1,49 @@
+"""Small analysis helpers: the decision table a cell could use, markdown digests of long JSON values,
+and the report's note on headline pairs measured at different code versions."""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+
+from analysis.common import json_digest
+from analysis.load import applicable_table
+from analysis.report import split_pairs_line
+
+
+def _rule(hq, hkv, choice, gpu="NVIDIA H200"):
+    return {"gpu": gpu, "num_q_heads": hq, "num_kv_heads": hkv, "head_dim": 128, "lp_min": 0, "meff_min": 0,
+            "choice": choice}
+
+
+def test_applicable_table_keeps_the_rules_of_the_cells_gpu_and_per_rank_shape():
+    table = [_rule(32, 8, "dense"), _rule(10, 2, "paged"), _rule(10, 2, "cascade", gpu="A100"),
+             {"choice": "cascade", "lp_min": 0}]                      # no gpu / shape: applies everywhere
+    cfg = {"tp": 4, "model": {"num_heads": 40, "num_kv_heads": 8, "head_dim": 128},
+           "hardware": {"gpu_name": "NVIDIA H200", "decision_table": table}}
+    got = applicable_table(cfg)["hardware"]["decision_table"]
+    assert got == [_rule(10, 2, "paged"), {"choice": "cascade", "lp_min": 0}]
+    assert cfg["hardware"]["decision_table"] == table                  # the input is not changed
+    tp1 = applicable_table({**cfg, "tp": 1, "model": {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}})
+    assert tp1["hardware"]["decision_table"][0] == _rule(32, 8, "dense")
+    assert applicable_table({"hardware": {"decision_table": table}}) == {"hardware": {"decision_table": table}}
+
+
+def test_json_digest_tells_tables_apart_and_leaves_other_values():
+    a, b = json.dumps([_rule(32, 8, "dense")]), json.dumps([_rule(32, 8, "paged")])
+    assert json_digest(a).startswith("1 rules #") and json_digest(a) != json_digest(b)
+    assert json_digest(a) == json_digest(a) and json_digest(0.88) == 0.88 and json_digest("h200") == "h200"
+
+
+def test_split_pairs_line_names_pairs_measured_at_different_commits():
+    t = pd.DataFrame([
+        {"config": "m TP=4", "workload.prefix_len": 512, "system.name": "granikv", "commit": "aaa", "prefill_p50_ms": 30.0},
+        {"config": "m TP=4", "workload.prefix_len": 512, "system.name": "sglang_default", "commit": "aaa", "prefill_p50_ms": 31.0},
+        {"config": "m TP=4", "workload.prefix_len": 4096, "system.name": "granikv", "commit": "bbb", "prefill_p50_ms": 65.9},
+        {"config": "m TP=4", "workload.prefix_len": 4096, "system.name": "sglang_default", "commit": "aaa", "prefill_p50_ms": 37.5},
+        {"config": "other", "workload.prefix_len": 512, "system.name": "granikv", "commit": "ccc", "prefill_p50_ms": 1.0},
+    ])
+    line = split_pairs_line(t, "m TP=4")
+    assert "Lp=4096 (GraniKV at bbb, sglang_default at aaa; p50 prefill step 65.9 vs 37.5 ms)" in line
+    assert "Lp=512" not in line
+    assert split_pairs_line(t[t["workload.prefix_len"] == 512], "m TP=4") == ""
