@@ -389,6 +389,7 @@ def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], e
         rawio.write_jsonl(cell / "workload.jsonl", workloads.trace_rows(requests))
     engine = engine_factory(rc)
     prof = StepProfiler(cell / "trace.json.gz", rc.profile_steps if lead else 0, cuda=rc.hardware.device == "cuda")
+    prof.prime()   # the profiler's one-time start-up before the run, not between two measured steps
     total = sum(r.output_len for r in requests)
     with tqdm(total=total, unit="tok", desc=cell.name[:48], mininterval=0.5, leave=False, disable=not lead) as bar, \
             NvmlSampler(cell / "nvml.csv", enabled=rc.nvml and lead) as nvml:

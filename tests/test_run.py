@@ -213,6 +213,28 @@ def test_profiler_window_writes_trace(tmp_path):
     assert any(e.get("name") == "decode_step" for e in trace["traceEvents"])
     t = rawio.read_json(cell / "metrics.json")["telemetry"]
     assert t["trace_json"] == "trace.json.gz" and t["profiled_decode_steps"] == 2
+    assert t["profiler_overhead_s"] > 0          # start + stop + export, spent inside the run
+
+
+def test_profiler_is_primed_once_per_process_before_the_run(tmp_path, monkeypatch):
+    """The profiler's one-time start-up (CUPTI on a GPU: 3.7-6.4 s on the H200) is paid by prime(),
+    before the measured run, once per process and activity set; a disabled profiler never primes."""
+    from granikv.telemetry import profiler as P
+
+    monkeypatch.setattr(P, "_primed", set())
+    off = P.StepProfiler(tmp_path / "off.json.gz", 0)
+    off.prime()
+    assert off.prime_s is None and P._primed == set()
+    a = P.StepProfiler(tmp_path / "a.json.gz", 2)
+    a.prime()
+    assert a.prime_s is not None and a.prime_s > 0 and P._primed == {False}
+    b = P.StepProfiler(tmp_path / "b.json.gz", 2)
+    b.prime()
+    assert b.prime_s is None                   # already paid in this process
+    for i in range(8):
+        b.on_step({"step": i, "kind": "decode"})
+    assert b.captured == 2 and (tmp_path / "b.json.gz").exists() and b.overhead_s > 0
+    assert b.summary()["profiler_prime_s"] is None and b.summary()["profiler_overhead_s"] == b.overhead_s
 
 
 def test_nvml_without_gpu_is_a_noop_with_a_note(tmp_path):
