@@ -245,24 +245,27 @@ def steps_line(res: Results, claim: pd.Series, cache: dict) -> str:
     return line + split_pairs_line(t, label)
 
 
-def split_pairs_line(t: pd.DataFrame, label: str) -> str:
-    """The Lp points of ``label`` where GraniKV and sglang_default were measured at different code
-    versions, with their p50 prefill steps (same prompts, so they should match): such a pair may
-    compare two device runs as much as two systems."""
+def split_pairs_line(t: pd.DataFrame, label: str, base: str = "sglang_default", lps: list[float] | None = None) -> str:
+    """The Lp points of ``label`` (all, or ``lps``) where GraniKV and ``base`` were measured at
+    different code versions, with their p50 prefill steps (same prompts, so they should match): such
+    a pair may compare two device runs as much as two systems."""
     if "commit" not in t.columns:
         return ""
     g = t[t["config"] == label]
+    if lps is not None:
+        g = g[g["workload.prefix_len"].astype(float).isin(lps)]
     out = []
     for lp, h in g.groupby("workload.prefix_len", sort=True):
-        a, b = h[h["system.name"] == "granikv"], h[h["system.name"] == "sglang_default"]
+        a, b = h[h["system.name"] == "granikv"], h[h["system.name"] == base]
         if a.empty or b.empty or a["commit"].iloc[0] == b["commit"].iloc[0]:
             continue
-        out.append(f"Lp={int(lp)} (GraniKV at {a['commit'].iloc[0]}, sglang_default at {b['commit'].iloc[0]}; "
+        out.append(f"Lp={int(lp)} (GraniKV at {a['commit'].iloc[0]}, {base} at {b['commit'].iloc[0]}; "
                    f"p50 prefill step {a['prefill_p50_ms'].iloc[0]:.1f} vs {b['prefill_p50_ms'].iloc[0]:.1f} ms)")
     if not out:
         return ""
     return (" Pairs measured at different code versions, i.e. in different device runs: " + "; ".join(out)
-            + ". Both systems prefill the same prompts, so unequal prefill steps there mean the runs differed.")
+            + ". Both systems prefill the same prompts, so a large gap between their prefill steps there points to "
+            "the runs rather than the systems.")
 
 
 # Vendor datasheet figures (dense bf16 tensor-core peak, HBM bandwidth): what an absolute time can be
@@ -348,7 +351,8 @@ def shares_line(res: Results, claim: pd.Series, cache: dict) -> str:
             f"{base} {split(d)}. Decode steps alone: {base} / GraniKV = "
             f"{d['decode_s'] / g['decode_s']:.2f}x; GraniKV's prefill time is {pr:.2f}x {base}'s"
             + (", time both systems spend alike, which dilutes" if same else ", which moves")
-            + f" the end-to-end ratio to {d['duration_s'] / g['duration_s']:.2f}x (tables/headline_steps).")
+            + f" the end-to-end ratio to {d['duration_s'] / g['duration_s']:.2f}x (tables/headline_steps)."
+            + split_pairs_line(t, label, base, lps=[float(lp[1:])]))
 
 
 def prefill_host_line(res: Results, claim: pd.Series, cache: dict) -> str:
