@@ -91,8 +91,8 @@ def amdahl_frame(res: Results) -> pd.DataFrame:
                          "predicted_paper_s": amdahl(f, PAPER_S),
                          "predicted_our_s": amdahl(f, s_ours) if np.isfinite(s_ours) else np.nan,
                          "measured": meas, "measured_from": src,
-                         "measured_profiled_steps": step_time_ratio(res, {**CELL, "model.name": f"={model}",
-                                                                          "tp": f"={tp}"})})
+                         "measured_profiled_steps": meas if src == PROFILED else
+                         step_time_ratio(res, {**CELL, "model.name": f"={model}", "tp": f"={tp}"})})
     t = pd.DataFrame(rows, columns=["config", "f_attention_share", "s_paper", "s_ours", "predicted_paper_s",
                                     "predicted_our_s", "measured", "measured_from", "measured_profiled_steps"])
     if not t.empty:
