@@ -451,6 +451,12 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
     if nm.empty:
         L.append("Every claim has a measurement.")
     L += [f"- `{c['id']}`: {c['why']}" for _, c in nm.iterrows()]
+    from analysis import coverage
+    L += ["", "## Campaign coverage", "",
+          "Every cell the campaign plans (`conf/campaign.yaml`, expanded as runners.run expands each sweep), "
+          "against the raw results; cell by cell in tables/coverage_cells.md. A cell measured with settings its "
+          "preset has since changed is counted as measured and its changed settings are named.", ""]
+    L += [f"- {x}" for x in coverage.lines(coverage.tables(res)[0])]
     L += ["", "## Failed and unfinished cells", ""]
     if res.failures.empty:
         L.append("None.")
