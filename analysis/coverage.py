@@ -13,7 +13,8 @@ the item's overrides, composed as ``runners.run`` composes them). A planned cell
 
 Matching is by config values, not folder names, so a cell launched with extra overrides (say
 ``hardware=h200`` spelt out) still counts. Writes ``tables/coverage.{csv,md}`` (one row per item: counts,
-what is missing, the command that runs it) and ``tables/coverage_cells.{csv,md}`` (one row per planned cell).
+what is missing, the command that runs it) and ``tables/coverage_cells.{csv,md}`` (one row per planned cell,
+with the command that runs that cell alone).
 
     python -m analysis.coverage [--results results/raw] [ITEM ...]   # the same, printed per item
 """
@@ -91,10 +92,11 @@ def cell_rows(res: Results, item: CampaignItem) -> list[dict]:
         else:
             status, diff = (FAILED if not _matching(res.failures, cell).empty else MISSING), {}
         commits = sorted({str(c)[:7] for c in done.get("provenance.git_commit", pd.Series(dtype=object)).dropna()})
+        own = [o for o in cell.overrides if not o.startswith("sweep=")] + (["force=true"] if len(done) else [])
         rows.append({"item": item.id, "sweep": cell.sweep_name, "cell_id": cell.cell_id, "status": status,
                      "cells": len(done), "commits": " ".join(commits),
                      "settings_then_now": "; ".join(f"{k}: {v}" for k, v in sorted(diff.items())),
-                     "_overrides": cell.overrides})
+                     "command": item.local_command(own), "_overrides": cell.overrides})
     return rows
 
 
@@ -168,7 +170,8 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
             "leaves cells measured with other settings as they are; add force=true to rerun them with today's.")
     write_table(t, NAME, out, title="Campaign coverage (conf/campaign.yaml)", note=note)
     write_table(cells, f"{NAME}_cells", out, title="Campaign coverage, cell by cell",
-                note="One row per planned cell; see tables/coverage.md for the rules.")
+                note="One row per planned cell; see tables/coverage.md for the rules. command: runs this one cell on "
+                     "a machine of your own (into results/raw/<sweep>/<cell_id>; force=true where a cell exists already).")
     return t
 
 

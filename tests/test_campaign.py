@@ -151,3 +151,25 @@ def test_cli_names_unknown_items(capsys):
     with pytest.raises(SystemExit):
         coverage.main(["--results", "/nonexistent", "no_such_item"])
     assert "unknown item" in capsys.readouterr().err
+
+
+def test_a_cells_command_runs_that_cell_alone(smoke_raw, tmp_path):
+    """coverage_cells' command for a missing cell, run as given (plus results_dir), writes exactly that
+    cell's folder, which then counts as measured; a measured cell's command says force=true."""
+    import shlex
+    root = _copy(smoke_raw, tmp_path / "raw")
+    gone = sorted(p for p in (root / "smoke").iterdir() if p.is_dir())[0]
+    shutil.rmtree(gone)
+    _, cells = coverage.tables(load_results(root), [SMOKE])
+    row = cells.set_index("cell_id").loc[gone.name]
+    assert row["status"] == coverage.MISSING and "force=true" not in row["command"]
+    assert all("force=true" in c for c in cells.loc[cells["status"] == coverage.MEASURED, "command"])
+    argv = shlex.split(row["command"])
+    assert argv[:4] == ["python", "-m", "runners.run", "-m"]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    p = subprocess.run([sys.executable, *argv[1:], f"results_dir={root}"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (gone / "metrics.json").exists()
+    assert set(_status(root).values()) == {coverage.MEASURED}
+    assert len([q for q in (root / "smoke").iterdir() if q.is_dir()]) == 4
