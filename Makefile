@@ -43,3 +43,7 @@ tables: setup ## Regenerate only results/tables (CSV + Markdown) and results/REP
 
 figures: setup ## Regenerate results/figures (PNG + PDF) and the tables they are drawn from, no report
 	$(BIN)/python -m analysis.reproduce --results $(RESULTS_RAW) --out $(RESULTS_OUT) --only figures
+
+.PHONY: coverage
+coverage: setup ## Print what each campaign item (conf/campaign.yaml) has measured and misses, with the command for the rest
+	$(BIN)/python -m analysis.coverage --results $(RESULTS_RAW)
