@@ -75,7 +75,8 @@ def test_fused_ops_really_in_place(fake_fi):
     want = LayerOps(False).rmsnorm(want_r, w, 1e-5)
     y, r2 = ops.add_rmsnorm(x, r, w, 1e-5)
     assert y is x and r2 is r
-    torch.testing.assert_close(r, want_r) and torch.testing.assert_close(y, want)
+    torch.testing.assert_close(r, want_r)
+    torch.testing.assert_close(y, want)   # (joined by `and` before: assert_close returns None, so this never ran)
 
 
 def test_fused_setting_resolves_and_errors():
