@@ -119,7 +119,8 @@ def _key_column(override: str) -> str:
 
 
 def _groups() -> set[str]:
-    return {p.name for p in CONF.iterdir() if p.is_dir()}
+    from runners.run import _GROUPS   # the config groups runners.run composes (conf/ sub-folders)
+    return _GROUPS
 
 
 def _config_dict(job: list[str], compose, check: bool, bases: dict) -> dict:
