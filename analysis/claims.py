@@ -218,7 +218,19 @@ def _value_stat(ctx: Context, c: pd.Series, sel: dict, reduce: str) -> Outcome:
                    gpus=_gpus(d))
 
 
+def follows(d: pd.DataFrame, col: str, key: str) -> bool:
+    """``col`` equals ``key`` in every cell of ``d`` (a preset that writes ``warmup_requests:
+    ${workload.batch}`` warms up with B requests at every B): it moves with ``key`` and tells no two
+    configurations apart on its own when ``key`` is swept."""
+    a, b = pd.to_numeric(d[col], errors="coerce"), pd.to_numeric(d[key], errors="coerce")
+    return bool(a.notna().all() and (a == b).all())
+
+
 def stat_peak_share(ctx: Context, c: pd.Series, sel: dict, base: dict) -> Outcome:
+    """Throughput at the baseline's value of the swept key (e.g. B=256) over the best over that key,
+    per configuration (e.g. per Lp), minimum over configurations. A configuration counts only when
+    every value of the key measured anywhere in the selection was measured in it too (a row missing
+    B=1024 cannot tell whether B=256 is its peak); incomplete ones are named and left out."""
     df = ctx.frame("cells")
     d = select(df, sel) if not df.empty else df
     if d.empty:
@@ -226,19 +238,29 @@ def stat_peak_share(ctx: Context, c: pd.Series, sel: dict, base: dict) -> Outcom
     (bkey, bcond), = base.items()
     ids = identity(d, ctx.res.config_columns)
     a = aggregate(d, ids, c["metric"])
-    rest = [k for k in ids if k != bkey]
-    shares, parts = [], []
+    rest = [k for k in ids if k != bkey and not follows(d, k, bkey)]
+    swept = set(a[bkey])
+    shares, parts, left = [], [], []
     for key, g in a.groupby(rest, dropna=False, sort=True):
         at = select(g, {bkey: bcond})
-        if at.empty or len(g) < 2:
+        if at.empty:
+            continue
+        lp = show(at["workload.prefix_len"].iloc[0]) if "workload.prefix_len" in at.columns else "?"
+        if lack := sorted(swept - set(g[bkey])):
+            left.append(f"Lp={lp} (no {bkey}={', '.join(show(x) for x in lack)})")
             continue
         s = float(at["mean"].iloc[0] / g["mean"].max())
         shares.append(s)
         best = g.loc[g["mean"].idxmax(), bkey]
-        parts.append(f"Lp={show(at['workload.prefix_len'].iloc[0])}: {s:.2f} (peak at B={show(best)})")
+        parts.append(f"Lp={lp}: {s:.2f} (peak at B={show(best)})")
+    tail = f"; left out, incomplete: {'; '.join(left)}" if left else ""
+    if len(swept) < 2:
+        return Outcome(why=f"needs {bkey}{bcond} and at least one other {bkey} in the same configuration "
+                           f"(measured: {bkey}={', '.join(show(x) for x in sorted(swept))})", gpus=_gpus(d))
     if not shares:
-        return Outcome(why=f"needs {bkey}{bcond} and at least one other {bkey} in the same configuration", gpus=_gpus(d))
-    return Outcome(min(shares), f"{min(shares):.3f} min; " + "; ".join(parts), len(shares), gpus=_gpus(d))
+        return Outcome(why=f"needs {bkey}{bcond} and every other measured {bkey} "
+                           f"({', '.join(show(x) for x in sorted(swept))}) in one configuration{tail}", gpus=_gpus(d))
+    return Outcome(min(shares), f"{min(shares):.3f} min; " + "; ".join(parts) + tail, len(shares), gpus=_gpus(d))
 
 
 def stat_kernel_speedup(ctx: Context, c: pd.Series, sel: dict, base: dict) -> Outcome:

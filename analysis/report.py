@@ -17,6 +17,7 @@ from analysis.common import (NOT_MEASURED, NULL, PAPER_HARDWARE, config_label, f
                              show, write_table)
 from analysis.kernel import LAYOUT_BASE, LAYOUT_NUM, kernel_frame, layout_speedup
 from analysis.multiprefix import storage_line
+from analysis.sharegpt_matrix import peak_line
 from analysis.load import Results
 
 
@@ -423,6 +424,8 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
         elif "granikv_cascade_only" in str(c.get("baseline", "")) and (kp := kernel_pair_line(res, c)):
             bl = bound_line(res, c) if c["check"] in ("bound_ge", "bound_le") else ""
             why = (bl + " " if bl else "") + kp
+        elif c.get("statistic") == "peak_share" and (pl := peak_line(res, c)):
+            why = pl
         elif c["check"] in ("bound_ge", "bound_le") and (bl := bound_line(res, c)):
             cal = calibration_line(res, c) if "tables/dispatch_routing" in str(c["source"]) else ""
             why = bl + (" " + cal if cal else "")

@@ -217,6 +217,51 @@ def test_claim_statistics_on_runner_output(res, raw):
     assert "tp=4" in missing["why"].iloc[0] and "measured at TP=1" in missing["why"].iloc[0]
 
 
+PEAK = dict(selectors="workload.kind=synthetic;system.name=granikv;profile_steps=0", statistic="peak_share",
+            baseline="workload.batch=4", check="bound_ge", paper_value="0.97", unit="fraction", source="tables/sharegpt_matrix")
+
+
+def test_peak_share_leaves_out_rows_that_miss_a_b_and_follows_warmup_with_b(res, raw):
+    from analysis.claims import evaluate
+    b4 = _thr(raw, {"system.name": "granikv", "workload.prefix_len": 64, "workload.batch": 4})
+    b2 = _thr(raw, {"system.name": "granikv", "workload.prefix_len": 64, "workload.batch": 2})
+    ev = evaluate(res, _claim(**PEAK))
+    assert ev["ours"].iloc[0] == pytest.approx(b4 / max(b2, b4)) and ev["n"].iloc[0] == 1
+    # Lp=128 ran at B=4 only: it cannot say whether B=4 is its peak, so it is named and left out
+    assert "left out, incomplete: Lp=128 (no workload.batch=2)" in ev["ours_shown"].iloc[0]
+    # a preset that warms up with B requests (warmup_requests: ${workload.batch}) sweeps warm-up with B:
+    # still one configuration per Lp
+    cells = res.cells.copy()
+    cells["warmup_requests"] = cells["workload.batch"]
+    same = type(res)(root=res.root, cells=cells, failures=res.failures, kernels=res.kernels,
+                     config_columns=res.config_columns)
+    assert evaluate(same, _claim(**PEAK))["ours"].iloc[0] == pytest.approx(b4 / max(b2, b4))
+    # a warm-up that differs at one Lp without following B makes two configurations, neither complete
+    cells["warmup_requests"] = (cells["workload.batch"] == 2).astype(int)
+    split = type(res)(root=res.root, cells=cells, failures=res.failures, kernels=res.kernels,
+                      config_columns=res.config_columns)
+    nm = evaluate(split, _claim(**PEAK))
+    assert nm["verdict"].iloc[0] == "not measured"
+    assert "every other measured workload.batch (2, 4)" in nm["why"].iloc[0]
+
+
+def test_peak_line_explains_only_a_broken_peak(res, raw):
+    from analysis.claims import evaluate
+    from analysis.sharegpt_matrix import peak_line
+    b4 = _thr(raw, {"system.name": "granikv", "workload.prefix_len": 64, "workload.batch": 4})
+    b2 = _thr(raw, {"system.name": "granikv", "workload.prefix_len": 64, "workload.batch": 2})
+    share = b4 / max(b2, b4)
+    broken = evaluate(res, _claim(**{**PEAK, "paper_value": str(share + 0.01)})).iloc[0]
+    assert broken["verdict"] == "not reproduced"
+    line = peak_line(res, broken)
+    peak = 4 if b4 >= b2 else 2
+    assert line.startswith("Per Lp below the bound") and f"Lp=64: B={peak} {max(b2, b4):.0f} tok/s" in line
+    assert f"B=4 {b4:.0f} tok/s" in line and "% of the budget" in line
+    assert "Lp=128" not in line                      # incomplete rows are not explained either
+    held = evaluate(res, _claim(**{**PEAK, "paper_value": str(share - 0.01)})).iloc[0]
+    assert held["verdict"] == "reproduced" and peak_line(res, held) == ""
+
+
 def test_report_reasoning_uses_only_what_was_measured(res):
     from analysis.claims import load_claims
     from analysis.report import hardware_summary, roofline_line
