@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from analysis.clean import all_cells
 from analysis.common import write_table
 from analysis.load import Results, load_results
 from runners.campaign import CampaignItem, PlannedCell, expand, load_campaign
@@ -141,6 +143,8 @@ def tables(res: Results, campaign: list[CampaignItem] | None = None) -> tuple[pd
 
 
 def _tables(res: Results, campaign: list[CampaignItem]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    if not res.set_aside.empty:    # a repetition set aside by analysis.clean was still measured
+        res = replace(res, cells=all_cells(res), set_aside=pd.DataFrame())
     items, all_rows = [], []
     for item in campaign:
         rows = cell_rows(res, item)

@@ -40,6 +40,8 @@ class Results:
     kernels: pd.DataFrame
     config_columns: list[str] = field(default_factory=list)  # flattened config keys (no provenance)
     kernel_columns: list[str] = field(default_factory=list)  # fields of kernel.jsonl rows
+    # finished serving cells left out of the tables and claims (analysis.clean.prefer_clean), with why
+    set_aside: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
 def flatten(obj: dict, prefix: str = "") -> dict[str, Any]:

@@ -173,3 +173,14 @@ def test_a_cells_command_runs_that_cell_alone(smoke_raw, tmp_path):
     assert (gone / "metrics.json").exists()
     assert set(_status(root).values()) == {coverage.MEASURED}
     assert len([q for q in (root / "smoke").iterdir() if q.is_dir()]) == 4
+
+
+def test_set_aside_cells_still_count_as_measured(smoke_raw):
+    """A repetition analysis.clean sets aside (graph capture in its run) was measured all the same."""
+    from dataclasses import replace
+
+    res = load_results(smoke_raw)
+    moved = res.cells.iloc[:1].assign(capture_share=0.05, set_aside_for="elsewhere")
+    aside = replace(res, cells=res.cells.iloc[1:].reset_index(drop=True), set_aside=moved)
+    t, cells = coverage.tables(aside, [SMOKE])
+    assert set(cells["status"]) == {coverage.MEASURED} and t.iloc[0]["measured"] == len(res.cells)

@@ -1,0 +1,75 @@
+"""Which repetitions the analysis uses: a repetition whose measured run captured CUDA graphs is set
+aside when the same configuration has a repetition that did not.
+
+SGLang captures every CUDA graph before it serves; our engine captures a graph the first time a
+batch shape needs it. Before the graph-key fix (2d616dd) and the capture-at-second-use policy,
+some runs captured graphs inside the measured window (``cuda_graph_capture_s`` in metrics.json),
+which lengthens their steps: the REPORT lists that time by system and code version. Such a run is
+still a measurement and stays in ``results/raw``; but where a later repetition of the same
+configuration ran without it, averaging the two would mix the artefact into the number. So
+:func:`prefer_clean` keeps, per configuration (every identity column, the system included), the
+repetitions whose capture share of the run is below ``CAPTURE_LIMIT`` whenever there is at least
+one, and moves the others to ``Results.set_aside``. A configuration measured only with capture keeps
+its repetitions (there is nothing better to use; the REPORT names the share).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pandas as pd
+
+from analysis.common import NULL, identity
+from analysis.load import Results
+
+CAPTURE_LIMIT = 0.01   # capture time / run time at which a repetition counts as affected (REPORT's capture_check too)
+
+
+def capture_share(cells: pd.DataFrame) -> pd.Series:
+    """cuda_graph_capture_s / duration_s per cell (NaN where either is missing: unknown, not affected)."""
+    if cells.empty or not {"cuda_graph_capture_s", "duration_s"} <= set(cells.columns):
+        return pd.Series(float("nan"), index=cells.index)
+    return pd.to_numeric(cells["cuda_graph_capture_s"], errors="coerce") / pd.to_numeric(cells["duration_s"], errors="coerce")
+
+
+def prefer_clean(res: Results, limit: float = CAPTURE_LIMIT) -> Results:
+    """``res`` with the affected repetitions of partly clean configurations moved from ``cells`` to
+    ``set_aside`` (which gains ``capture_share`` and ``set_aside_for``: the path of a clean repetition)."""
+    c = res.cells
+    if c.empty or "kind" not in c.columns:
+        return res
+    share = capture_share(c)
+    serving = c["kind"] == "serving"
+    ids = identity(c, res.config_columns)
+    keys = c[ids].astype(object).where(c[ids].notna(), NULL).astype(str).agg("\x1f".join, axis=1) if ids else \
+        pd.Series("", index=c.index)
+    affected = serving & (share >= limit)
+    clean = serving & ~(share >= limit)
+    clean_path = c.loc[clean].groupby(keys[clean])["path"].first()
+    drop = affected & keys.isin(clean_path.index)
+    if not drop.any():
+        return res
+    aside = c[drop].assign(capture_share=share[drop], set_aside_for=keys[drop].map(clean_path))
+    return replace(res, cells=c[~drop].reset_index(drop=True),
+                   set_aside=pd.concat([res.set_aside, aside], ignore_index=True) if not res.set_aside.empty else
+                   aside.reset_index(drop=True))
+
+
+def all_cells(res: Results) -> pd.DataFrame:
+    """Every finished cell, set aside or not (for bookkeeping: coverage, counts, the capture summary)."""
+    if res.set_aside.empty:
+        return res.cells
+    return pd.concat([res.cells, res.set_aside.drop(columns=["capture_share", "set_aside_for"], errors="ignore")],
+                     ignore_index=True).sort_values(["sweep", "cell_id"], kind="stable").reset_index(drop=True)
+
+
+def set_aside_line(res: Results) -> str:
+    """One REPORT line: how many repetitions were set aside, by sweep and system, and the rule."""
+    a = res.set_aside
+    if a.empty:
+        return ""
+    g = a.groupby(["sweep", "system.name"]).agg(n=("path", "size"), lo=("capture_share", "min"),
+                                                hi=("capture_share", "max"))
+    parts = [f"{sw} {sy}: {int(r['n'])} ({r['lo']:.1%}-{r['hi']:.1%} of the run)" for (sw, sy), r in g.iterrows()]
+    return (f"Repetitions set aside ({len(a)}): a repetition whose measured run spent {CAPTURE_LIMIT:.0%} or more of its "
+            "time capturing CUDA graphs is left out of every table and claim when the same configuration has a "
+            "repetition that did not (analysis/clean.py; the cells stay in results/raw): " + "; ".join(parts) + ".")

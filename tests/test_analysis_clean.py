@@ -1,0 +1,61 @@
+"""analysis.clean: repetitions whose measured run captured CUDA graphs are set aside only where the
+same configuration has a clean repetition; bookkeeping (coverage, counts) still sees every cell."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from analysis.clean import CAPTURE_LIMIT, all_cells, prefer_clean, set_aside_line
+from analysis.common import aggregate, identity
+from analysis.load import Results
+
+COLS = ["system.name", "workload.prefix_len", "rep"]
+
+
+def _res(rows: list[tuple]) -> Results:
+    """rows: (system, Lp, rep, capture_s, duration_s, tok/s)."""
+    cells = pd.DataFrame([{"sweep": "grid", "cell_id": f"rep={r},system={s},Lp={lp}", "path": f"grid/{s}/{lp}/{r}",
+                           "kind": "serving", "system.name": s, "workload.prefix_len": lp, "rep": r,
+                           "cuda_graph_capture_s": cap, "duration_s": dur, "output_throughput_tok_s": thr}
+                          for s, lp, r, cap, dur, thr in rows])
+    return Results(root=Path("."), cells=cells, failures=pd.DataFrame(), kernels=pd.DataFrame(), config_columns=COLS)
+
+
+def test_affected_repetition_set_aside_only_beside_a_clean_one():
+    res = _res([("granikv", 512, 0, 0.20, 2.0, 900.0),      # 10% of the run capturing: affected
+                ("granikv", 512, 1, 0.00, 2.0, 1000.0),     # clean twin
+                ("granikv", 1024, 0, 0.20, 2.0, 800.0),     # affected, no clean twin: kept
+                ("sglang_default", 512, 0, float("nan"), 2.0, 700.0),   # capture unknown: counts as clean
+                ("sglang_default", 512, 1, 0.01, 2.0, 710.0)])          # 0.5%: below the limit
+    out = prefer_clean(res)
+    assert list(out.set_aside["path"]) == ["grid/granikv/512/0"]
+    assert out.set_aside["set_aside_for"].iloc[0] == "grid/granikv/512/1"
+    assert out.set_aside["capture_share"].iloc[0] == pytest.approx(0.10)
+    assert len(out.cells) == 4 and len(res.cells) == 5                  # the input is left as it was
+    a = aggregate(out.cells, identity(out.cells, COLS), "output_throughput_tok_s").set_index(
+        ["system.name", "workload.prefix_len"])
+    assert a.loc[("granikv", 512), "mean"] == 1000.0 and a.loc[("granikv", 512), "n"] == 1
+    assert a.loc[("granikv", 1024), "mean"] == 800.0
+    assert a.loc[("sglang_default", 512), "n"] == 2
+    assert sorted(all_cells(out)["path"]) == sorted(res.cells["path"])
+    assert list(all_cells(out).columns) == list(res.cells.columns)
+    line = set_aside_line(out)
+    assert line.startswith("Repetitions set aside (1)") and "grid granikv: 1 (10.0%-10.0% of the run)" in line
+    assert f"{CAPTURE_LIMIT:.0%}" in line
+
+
+def test_set_aside_only_when_a_twin_is_clean():
+    res = _res([("granikv", 512, 0, 0.0, 2.0, 1.0), ("granikv", 512, 1, 0.5, 2.0, 1.0)])
+    res2 = _res([("granikv", 512, 0, 0.5, 2.0, 1.0), ("granikv", 1024, 0, 0.0, 2.0, 1.0)])
+    assert len(prefer_clean(res).set_aside) == 1
+    assert prefer_clean(res2) is res2 and set_aside_line(res2) == ""
+
+
+def test_other_configurations_never_stand_in():
+    # a clean cell of another Lp or system must not push an affected one out
+    res = _res([("granikv", 512, 0, 0.5, 2.0, 1.0), ("granikv", 1024, 0, 0.0, 2.0, 1.0),
+                ("sglang_default", 512, 0, 0.0, 2.0, 1.0)])
+    assert prefer_clean(res) is res
+
