@@ -226,6 +226,15 @@ def follows(d: pd.DataFrame, col: str, key: str) -> bool:
     return bool(a.notna().all() and (a == b).all())
 
 
+def swept_groups(d: pd.DataFrame, config_cols: list[str], key: str):
+    """``d`` split into configurations with ``key`` (and the keys that follow it) left free: yields
+    ``(cells of one configuration, the values of key measured elsewhere in d but not in it)``."""
+    rest = [k for k in identity(d, config_cols) if k != key and not follows(d, k, key)]
+    swept = set(d[key].dropna())
+    for _, g in d.groupby(rest, dropna=False, sort=True):
+        yield g, sorted(swept - set(g[key]))
+
+
 def stat_peak_share(ctx: Context, c: pd.Series, sel: dict, base: dict) -> Outcome:
     """Throughput at the baseline's value of the swept key (e.g. B=256) over the best over that key,
     per configuration (e.g. per Lp), minimum over configurations. A configuration counts only when
@@ -236,30 +245,26 @@ def stat_peak_share(ctx: Context, c: pd.Series, sel: dict, base: dict) -> Outcom
     if d.empty:
         return Outcome(why=why_empty(df, sel, "cell"))
     (bkey, bcond), = base.items()
-    ids = identity(d, ctx.res.config_columns)
-    a = aggregate(d, ids, c["metric"])
-    rest = [k for k in ids if k != bkey and not follows(d, k, bkey)]
-    swept = set(a[bkey])
+    swept = sorted(set(d[bkey].dropna()))
     shares, parts, left = [], [], []
-    for key, g in a.groupby(rest, dropna=False, sort=True):
-        at = select(g, {bkey: bcond})
-        if at.empty:
+    for g, lack in swept_groups(d, ctx.res.config_columns, bkey):
+        if select(g, {bkey: bcond}).empty:
             continue
-        lp = show(at["workload.prefix_len"].iloc[0]) if "workload.prefix_len" in at.columns else "?"
-        if lack := sorted(swept - set(g[bkey])):
+        lp = show(g["workload.prefix_len"].iloc[0]) if "workload.prefix_len" in g.columns else "?"
+        if lack:
             left.append(f"Lp={lp} (no {bkey}={', '.join(show(x) for x in lack)})")
             continue
-        s = float(at["mean"].iloc[0] / g["mean"].max())
+        means = g.groupby(bkey)[c["metric"]].mean()              # repetitions averaged
+        s = float(means[select(g, {bkey: bcond})[bkey].iloc[0]] / means.max())
         shares.append(s)
-        best = g.loc[g["mean"].idxmax(), bkey]
-        parts.append(f"Lp={lp}: {s:.2f} (peak at B={show(best)})")
+        parts.append(f"Lp={lp}: {s:.2f} (peak at B={show(means.idxmax())})")
     tail = f"; left out, incomplete: {'; '.join(left)}" if left else ""
     if len(swept) < 2:
         return Outcome(why=f"needs {bkey}{bcond} and at least one other {bkey} in the same configuration "
-                           f"(measured: {bkey}={', '.join(show(x) for x in sorted(swept))})", gpus=_gpus(d))
+                           f"(measured: {bkey}={', '.join(show(x) for x in swept)})", gpus=_gpus(d))
     if not shares:
         return Outcome(why=f"needs {bkey}{bcond} and every other measured {bkey} "
-                           f"({', '.join(show(x) for x in sorted(swept))}) in one configuration{tail}", gpus=_gpus(d))
+                           f"({', '.join(show(x) for x in swept)}) in one configuration{tail}", gpus=_gpus(d))
     return Outcome(min(shares), f"{min(shares):.3f} min; " + "; ".join(parts) + tail, len(shares), gpus=_gpus(d))
 
 

@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     r = run(a.results, a.out, a.only)
     res = r["results"]
-    print(f"analysis: {len(res.cells) + len(res.set_aside)} cells ({len(res.set_aside)} set aside), {len(res.failures)} failed/unfinished, {len(res.kernels)} kernel rows "
-          f"from {a.results}")
+    print(f"analysis: {len(res.cells) + len(res.set_aside)} cells ({len(res.set_aside)} set aside), "
+          f"{len(res.failures)} failed/unfinished, {len(res.kernels)} kernel rows from {a.results}")
     print(f"wrote {len(r['tables'])} tables to {Path(a.out) / 'tables'}" +
           (f", {len(r['figures'])} figures to {Path(a.out) / 'figures'}" if a.only != "tables" else ""))
     if r["claims"] is not None:

@@ -56,8 +56,8 @@ def peak_line(res: Results, claim: pd.Series) -> str:
     what each run recorded (output tok/s, TPOT p50, KV in use at its peak over the KV budget, decode
     steps run eagerly above the CUDA-graph batch limit), and the KV budget of the paper's A100-40GB
     (hardware=a100_40gb) where a run of the same model recorded one. Empty when nothing applies."""
-    from analysis.claims import Context, follows
-    from analysis.common import identity, parse_selectors, select, show
+    from analysis.claims import Context, swept_groups
+    from analysis.common import parse_selectors, select, show
     d = Context(res).frame("cells")
     sel, base = parse_selectors(claim["selectors"]), parse_selectors(claim["baseline"])
     d = select(d, sel) if not d.empty else d
@@ -67,15 +67,13 @@ def peak_line(res: Results, claim: pd.Series) -> str:
     d = d.assign(_kv=(d["cold_peak_tokens"] + d["hot_peak_tokens"]) / d["kv_budget_tokens"],
                  _eager=d.get("eager_decode_reasons.above_cuda_graph_max_bs", pd.Series(0, index=d.index)).fillna(0)
                  / d["num_decode_steps"])
-    ids = identity(d, res.config_columns)
-    rest = [k for k in ids if k != bkey and not follows(d, k, bkey)]
-    swept, bound = set(d[bkey]), float(claim["paper_value"])
+    bound = float(claim["paper_value"])
     parts, peaks, fullest = [], [], 0.0
-    for _, g in d.groupby(rest, dropna=False, sort=True):
-        if set(g[bkey]) != swept or select(g, {bkey: bcond}).empty:
+    for g, lack in swept_groups(d, res.config_columns, bkey):
+        if lack or select(g, {bkey: bcond}).empty:
             continue
         by = g.groupby(bkey).agg(thr=(claim["metric"], "mean"), tpot=("tpot_p50_ms", "mean"), kv=("_kv", "max"),
-                                 eager=("_eager", "mean"), kvmax=("cold_peak_tokens", "max"), n=(claim["metric"], "size"))
+                                 eager=("_eager", "mean"))
         at, best = by.loc[select(g, {bkey: bcond})[bkey].iloc[0]], by["thr"].idxmax()
         if at["thr"] / by.loc[best, "thr"] >= bound:
             continue
