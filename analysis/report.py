@@ -57,9 +57,9 @@ def concurrency_check(res: Results, metric: str = "output_throughput_tok_s", ste
     if not shared.any():
         return ""
     keys = identity(c, res.config_columns)
-    d = c[keys + [metric] + ([step] if step else [])].copy()
-    d[keys] = d[keys].astype(object).where(d[keys].notna(), NULL)
-    d["shared"] = shared.to_numpy()
+    vals = [metric] + ([step] if step else [])
+    d = pd.concat([c[keys].astype(object).where(c[keys].notna(), NULL), c[vals],
+                   pd.Series(shared.to_numpy(), index=c.index, name="shared")], axis=1)   # one concat: no fragmented inserts
 
     def by_sharing(col: str) -> pd.DataFrame:
         t = d.groupby(keys + ["shared"], dropna=False)[col].mean().unstack("shared")
