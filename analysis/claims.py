@@ -64,6 +64,39 @@ def verdict(check: str, paper: float | None, ours, *, paper_hi: float | None = N
     return NOT_REPRODUCED
 
 
+CLOSE = 0.05         # a verdict within 5% of the value where it flips is a close call (REPORT lists them)
+
+
+def flip_points(check: str, paper: float | None, *, paper_hi: float | None = None, better: str | None = None,
+                ratio: bool = False, tol: float = TOL) -> list[float]:
+    """The values of our number at which :func:`verdict` changes, ascending ([] for ``true`` checks).
+
+    Candidates are the rule's edges (the bound; the band's ends lo (1 - tol) and hi (1 + tol); 1.0 for a
+    ratio claim with a direction); a candidate is kept only where the verdict really differs just below
+    and just above it, so the list follows :func:`verdict` rather than restating it."""
+    if check == "true" or _missing(paper):
+        return []
+    lo = float(paper)
+    hi = lo if _missing(paper_hi) else float(paper_hi)
+    cand = {lo, hi, lo * (1 - tol), hi * (1 + tol), 1.0} if check in ("point", "range") else {lo}
+    out = []
+    for x in sorted(cand):
+        d = max(abs(x), 1.0) * 1e-6
+        kw = dict(paper_hi=paper_hi, better=better, ratio=ratio, tol=tol)
+        if verdict(check, paper, x - d, **kw) != verdict(check, paper, x + d, **kw):
+            out.append(x)
+    return out
+
+
+def margin(ours, points: list[float]) -> tuple[float, float]:
+    """(the nearest flip point, |ours - it| / |it|): how far our number would have to move, relative
+    to the point, for the verdict to change. (NaN, NaN) when there is no number or no flip point."""
+    if _missing(ours) or isinstance(ours, (bool, np.bool_)) or not points:
+        return float("nan"), float("nan")
+    x = min(points, key=lambda p: abs(float(ours) - p))
+    return x, abs(float(ours) - x) / (abs(x) if x else 1.0)
+
+
 @dataclass
 class Outcome:
     """Our number for one claim: ``value`` (float or bool, NaN when not measured), how it is shown,
@@ -74,6 +107,7 @@ class Outcome:
     n: int = 0
     why: str = ""
     gpus: list[str] = field(default_factory=list)
+    reps: int = 0        # fewest repetitions behind one of its configurations (0 = not tracked by the statistic)
 
 
 def load_claims(path: str | Path = CLAIMS_CSV) -> pd.DataFrame:
@@ -173,14 +207,15 @@ def _ratio_stat(ctx: Context, c: pd.Series, sel: dict, base: dict, reduce: str) 
     if p.empty:
         return Outcome(why=f"`{c['metric']}` is missing in every matching {what}", gpus=gpus)
     r = p["ratio"].astype(float)
+    reps = int(min(p["n_num"].min(), p["n_base"].min()))
     if reduce == "geomean":
-        return Outcome(geomean(r), f"{geomean(r):.2f}", len(p), gpus=gpus)
+        return Outcome(geomean(r), f"{geomean(r):.2f}", len(p), gpus=gpus, reps=reps)
     if reduce == "inverse":
         v = 1.0 / geomean(r)
-        return Outcome(v, f"{v:.2f}", len(p), gpus=gpus)
+        return Outcome(v, f"{v:.2f}", len(p), gpus=gpus, reps=reps)
     if reduce == "max_abs_dev":
         v = float((r - 1).abs().max())
-        return Outcome(v, f"{v:.3f} (ratios {r.min():.3f}..{r.max():.3f})", len(p), gpus=gpus)
+        return Outcome(v, f"{v:.3f} (ratios {r.min():.3f}..{r.max():.3f})", len(p), gpus=gpus, reps=reps)
     if reduce == "monotone":
         keys = [k for k in identity(p, ctx.res.config_columns) if k != "workload.prefix_len"]
         ok, parts = True, []
@@ -193,14 +228,14 @@ def _ratio_stat(ctx: Context, c: pd.Series, sel: dict, base: dict, reduce: str) 
         if not parts:
             return Outcome(why=f"fewer than two Lp values measured ({len(p)} pair)", gpus=gpus)
         if not ok:       # a counterexample decides, however few Lp values were measured
-            return Outcome(ok, "not monotone: " + "; ".join(parts), len(p), gpus=gpus)
+            return Outcome(ok, "not monotone: " + "; ".join(parts), len(p), gpus=gpus, reps=reps)
         lps = set(int(x) for x in p["workload.prefix_len"])
         lo, hi = MONOTONE_LP_SPAN
         if not ({lo, hi} <= lps and len(lps) >= MONOTONE_MIN_LPS):
             return Outcome(why=f"only Lp {sorted(lps)} measured (non-decreasing so far: {'; '.join(parts)}); "
                                f"the claim spans Lp {lo}..{hi}: needs both ends and >= {MONOTONE_MIN_LPS} Lp values",
                            gpus=gpus)
-        return Outcome(ok, "monotone: " + "; ".join(parts), len(p), gpus=gpus)
+        return Outcome(ok, "monotone: " + "; ".join(parts), len(p), gpus=gpus, reps=reps)
     raise ValueError(reduce)
 
 
@@ -212,10 +247,11 @@ def _value_stat(ctx: Context, c: pd.Series, sel: dict, reduce: str) -> Outcome:
     metric = c["metric"]
     if metric not in d.columns or d[metric].isna().all():
         return Outcome(why=f"the matching cells have no `{metric}`", gpus=_gpus(d))
-    a = aggregate(d, identity(d, ctx.res.config_columns), metric)["mean"].astype(float)
+    agg = aggregate(d, identity(d, ctx.res.config_columns), metric)
+    a = agg["mean"].astype(float)
     v = {"value": a.mean(), "min": a.min(), "max": a.max()}[reduce]
     return Outcome(float(v), f"{v:.3g}" if reduce == "value" else f"{v:.3f} (over {len(a)} configs)", len(a),
-                   gpus=_gpus(d))
+                   gpus=_gpus(d), reps=int(agg["n"].min()))
 
 
 def follows(d: pd.DataFrame, col: str, key: str) -> bool:
@@ -383,7 +419,8 @@ def other_hardware_note(ctx: Context, c: pd.Series, sel: dict, base: dict) -> st
 
 def evaluate(res: Results, claims: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per claim: the claim's columns plus ``ours``, ``ours_shown``, ``n``, ``our_hardware``,
-    ``verdict``, ``why``."""
+    ``verdict``, ``why``, ``reps`` (fewest repetitions behind one configuration; 0 = not tracked), and how close the verdict is to flipping: ``flips_at`` (the nearest value of
+    our number where it would change), ``margin`` (the distance to it, relative) and ``margin_shown``."""
     claims = load_claims() if claims is None else claims
     ctx = Context(res)
     rows = []
@@ -397,9 +434,16 @@ def evaluate(res: Results, claims: pd.DataFrame | None = None) -> pd.DataFrame:
             why += other_tp_note(ctx, c, sel, base)
         if v == NOT_MEASURED and "hardware.name" in sel and c["frame"] == "cells":
             why += other_hardware_note(ctx, c, sel, base)
+        at, rel = margin(o.value, flip_points(c["check"], _num(c["paper_value"]), paper_hi=_num(c["paper_value_hi"]),
+                                              better=c["better"] or None, ratio=c["unit"] == "x"))
         rows.append({**c.to_dict(), "ours": o.value, "ours_shown": o.shown if v != NOT_MEASURED else "",
-                     "n": o.n, "our_hardware": ", ".join(o.gpus), "verdict": v, "why": why})
+                     "n": o.n, "reps": o.reps, "our_hardware": ", ".join(o.gpus), "verdict": v, "why": why,
+                     "flips_at": at, "margin": rel, "margin_shown": _margin_shown(at, rel)})
     return pd.DataFrame(rows)
+
+
+def _margin_shown(at: float, rel: float) -> str:
+    return "" if not np.isfinite(rel) else f"{rel:.1%} (flips at {at:.4g})"
 
 
 def paper_shown(c: pd.Series) -> str:

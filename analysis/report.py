@@ -13,7 +13,7 @@ from analysis.headline_steps import claim_steps_line
 from analysis.amdahl import amdahl, amdahl_frame
 from analysis.bounds import bound_line, calibration_line, kernel_pair_line
 from analysis.clean import all_cells, set_aside_line
-from analysis.claims import NOT_REPRODUCED, REPRODUCED, evaluate, paper_shown
+from analysis.claims import CLOSE, NOT_REPRODUCED, REPRODUCED, evaluate, paper_shown
 from analysis.common import (NOT_MEASURED, NULL, PAPER_HARDWARE, config_label, fmt, identity, parse_selectors, select,
                              show, write_table)
 from analysis.kernel import LAYOUT_BASE, LAYOUT_NUM, kernel_frame, layout_speedup
@@ -381,6 +381,26 @@ def prefill_host_line(res: Results, claim: pd.Series, cache: dict) -> str:
             f"Small prefill steps are bound by the host, more so at TP={tp}, and every system runs the same prefill.")
 
 
+def close_calls(ev: pd.DataFrame, close: float = CLOSE) -> list[str]:
+    """REPORT lines for the verdicts within ``close`` (relative) of the value where they flip: a close call
+    rests on the run-to-run spread of the cells behind it, so more repetitions may turn it."""
+    m = pd.to_numeric(ev["margin"], errors="coerce")
+    keep = ((m < close) & (ev["verdict"] != "not measured")).to_numpy()
+    cc = ev[keep].iloc[np.argsort(m[keep].to_numpy(), kind="stable")]
+    if cc.empty:
+        return []
+    L = ["", f"## Close calls: within {close:.0%} of the value where the verdict flips", "",
+         "Our number would change the verdict if it moved by less than this much; read these verdicts together "
+         "with the repetitions behind them (tables/coverage.md names the missing ones)."]
+    for _, c in cc.iterrows():
+        n, reps = int(c["n"]), int(c.get("reps", 0) or 0)
+        behind = f"{n} configuration{'s' if n != 1 else ''}" + (
+            f", the fewest repetitions behind one: {reps}" if reps else "")
+        L.append(f"- `{c['id']}`: ours {c['ours_shown']} ({behind}), **{c['verdict']}**; it flips "
+                 f"at {c['flips_at']:.4g}, {c['margin']:.1%} away (paper {paper_shown(c)}).")
+    return L
+
+
 def write_report(res: Results, out: Path, tables: list[str], figures: list[str]) -> pd.DataFrame:
     """Evaluate every claim and write ``out/REPORT.md`` and ``out/tables/claims.{csv,md}``."""
     ev = evaluate(res)
@@ -408,12 +428,13 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
          "stated bounds (>=, <=) must hold as stated; qualitative claims must be confirmed by our measurement. "
          "Ratios pool repetitions by mean and configurations by geometric mean.", "",
          "## Claims", "",
-         f"| id | claim | section | paper ({PAPER_HARDWARE}) | ours | our hardware | verdict | from |",
-         "|---|---|---|---|---|---|---|---|"]
+         f"| id | claim | section | paper ({PAPER_HARDWARE}) | ours | our hardware | verdict | margin | from |",
+         "|---|---|---|---|---|---|---|---|---|"]
     for _, c in ev.iterrows():
         ours = c["ours_shown"] or f"{NOT_MEASURED}"
         L.append(f"| {c['id']} | {c['claim']} | {c['section']} | {paper_shown(c)} | {ours} | "
-                 f"{c['our_hardware'] or '-'} | **{c['verdict']}** | {c['source']} |".replace("\n", " "))
+                 f"{c['our_hardware'] or '-'} | **{c['verdict']}** | {c['margin_shown'] or '-'} | {c['source']} |"
+                 .replace("\n", " "))
     diff = ev[ev["verdict"] == NOT_REPRODUCED]
     L += ["", "## Where our verdict differs from the paper", ""]
     cache: dict = {}
@@ -452,6 +473,7 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
                 claim_steps_line(res, c) if "tables/limitation" in src else ""
             L.append(f"- `{c['id']}`: paper {paper_shown(c)} on {PAPER_HARDWARE}, ours {c['ours_shown']} on "
                      f"{c['our_hardware'] or '?'} ({c['side']} the paper).{' ' + why if why else ''}")
+    L += close_calls(ev)
     nm = ev[ev["verdict"] == NOT_MEASURED]
     L += ["", "## Not measured", ""]
     if nm.empty:
@@ -486,6 +508,6 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
     out.mkdir(parents=True, exist_ok=True)
     (out / "REPORT.md").write_text("\n".join(L) + "\n")
     cols = ["id", "section", "model", "tp", "comparison", "paper_value", "paper_value_hi", "unit", "ours_shown",
-            "n", "our_hardware", "verdict", "why", "source"]
-    write_table(ev[cols], "claims", out, title="Claims: paper vs ours")
+            "n", "our_hardware", "verdict", "margin_shown", "why", "source"]
+    write_table(ev[cols].rename(columns={"margin_shown": "margin_to_flip"}), "claims", out, title="Claims: paper vs ours")
     return ev

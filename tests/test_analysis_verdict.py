@@ -186,3 +186,57 @@ def test_absolute_line_states_the_factor_both_ways():
 
     assert "ours is 1.42x higher than the paper's" in line(425.0, 300.0)
     assert "ours is 2.75x lower than the paper's" in line(39.6, 109.0)
+
+
+@pytest.mark.parametrize("check,paper,kw,want", [
+    ("bound_ge", 0.97, {}, [0.97]),
+    ("bound_le", 0.10, {}, [0.10]),
+    ("point", 0.70, {"ratio": True}, [0.525, 0.875]),                       # a regression: 1.0 is inside NR
+    ("point", 2.16, {"ratio": True, "better": "higher"}, [1.62]),
+    ("range", 1.05, {"paper_hi": 1.15, "ratio": True, "better": "higher"}, [1.0]),  # lower edge 0.79 < 1
+    ("point", 0.99, {"ratio": True}, [0.7425, 1.2375]),                     # parity: no direction flip
+    ("point", 1.10, {"ratio": True}, [1.0, 1.375]),
+    ("true", None, {}, []),
+])
+def test_flip_points(check, paper, kw, want):
+    assert C.flip_points(check, paper, **kw) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("check,paper,kw", [
+    ("point", 0.70, {"ratio": True}), ("point", 1.10, {"ratio": True}), ("point", 0.99, {"ratio": True}),
+    ("range", 1.05, {"paper_hi": 1.15, "ratio": True}), ("point", 300.0, {"better": "lower"}),
+    ("point", 0.13, {"ratio": True, "better": "lower"}), ("bound_ge", 0.87, {}),
+])
+def test_flip_points_are_where_the_verdict_changes(check, paper, kw):
+    """Scan our number finely: every change of the verdict lies at a flip point, and no flip point is idle."""
+    xs = [i * 1e-4 * paper for i in range(1, 30001)]         # 0 .. 3x the paper's value
+    vs = [C.verdict(check, paper, x, **kw) for x in xs]
+    changes = [(xs[i - 1] + xs[i]) / 2 for i in range(1, len(xs)) if vs[i] != vs[i - 1]]
+    pts = [p for p in C.flip_points(check, paper, **kw) if p <= xs[-1]]
+    assert len(changes) == len(pts)
+    for c, p in zip(changes, pts):
+        assert abs(c - p) <= 1e-4 * paper
+
+
+def test_margin():
+    assert C.margin(0.0955, [0.10]) == pytest.approx((0.10, 0.045))
+    assert C.margin(1.2, [1.0, 1.375]) == pytest.approx((1.375, 0.175 / 1.375))
+    assert all(math.isnan(v) for v in C.margin(float("nan"), [1.0]))
+    assert all(math.isnan(v) for v in C.margin(True, [1.0]))       # qualitative claims have no distance
+    assert all(math.isnan(v) for v in C.margin(0.5, []))
+
+
+def test_close_calls_lists_only_near_flips():
+    from analysis.report import close_calls
+    ev = pd.DataFrame([
+        {"id": "near", "ours_shown": "0.96", "n": 1, "reps": 1, "verdict": NR, "flips_at": 0.97, "margin": 0.011,
+         "check": "bound_ge", "paper_value": "0.97", "paper_value_hi": "", "unit": "x"},
+        {"id": "far", "ours_shown": "2.29", "n": 6, "reps": 2, "verdict": R, "flips_at": 1.62, "margin": 0.41,
+         "check": "point", "paper_value": "2.16", "paper_value_hi": "", "unit": "x"},
+        {"id": "unmeasured", "ours_shown": "", "n": 0, "reps": 0, "verdict": NM, "flips_at": float("nan"),
+         "margin": float("nan"), "check": "point", "paper_value": "1.0", "paper_value_hi": "", "unit": "x"},
+    ])
+    text = "\n".join(close_calls(ev))
+    assert "`near`" in text and "flips at 0.97, 1.1% away" in text and "fewest repetitions behind one: 1" in text
+    assert "`far`" not in text and "`unmeasured`" not in text
+    assert close_calls(ev[ev["id"] == "far"]) == []
