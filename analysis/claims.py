@@ -108,6 +108,8 @@ class Outcome:
     why: str = ""
     gpus: list[str] = field(default_factory=list)
     reps: int = 0        # fewest repetitions behind one of its configurations (0 = not tracked by the statistic)
+    margin: float = float("nan")   # qualitative claims: the relative change that would flip the verdict
+    margin_note: str = ""          # ... and where it is
 
 
 def load_claims(path: str | Path = CLAIMS_CSV) -> pd.DataFrame:
@@ -218,24 +220,32 @@ def _ratio_stat(ctx: Context, c: pd.Series, sel: dict, base: dict, reduce: str) 
         return Outcome(v, f"{v:.3f} (ratios {r.min():.3f}..{r.max():.3f})", len(p), gpus=gpus, reps=reps)
     if reduce == "monotone":
         keys = [k for k in identity(p, ctx.res.config_columns) if k != "workload.prefix_len"]
-        ok, parts = True, []
+        ok, parts, steps = True, [], []    # steps: (relative change, "a@lp -> b@lp") between neighbouring Lp
         for _, g in p.groupby(keys, dropna=False, sort=True) if keys else [("", p)]:
             g = g.sort_values("workload.prefix_len")
             if len(g) < 2:
                 continue
             ok &= bool((g["ratio"].diff().dropna() >= -EPS).all())
-            parts.append(" -> ".join(f"{v:.2f}@{int(lp)}" for lp, v in zip(g["workload.prefix_len"], g["ratio"])))
+            pts = [(float(v), int(lp)) for lp, v in zip(g["workload.prefix_len"], g["ratio"])]
+            parts.append(" -> ".join(f"{v:.2f}@{lp}" for v, lp in pts))
+            steps += [((b - a) / a, f"{a:.2f}@{la} -> {b:.2f}@{lb}") for (a, la), (b, lb) in zip(pts, pts[1:])]
         if not parts:
             return Outcome(why=f"fewer than two Lp values measured ({len(p)} pair)", gpus=gpus)
+        # the flip distance: a "not monotone" verdict needs its largest dip closed, a "monotone" one turns on
+        # its smallest rise
         if not ok:       # a counterexample decides, however few Lp values were measured
-            return Outcome(ok, "not monotone: " + "; ".join(parts), len(p), gpus=gpus, reps=reps)
+            d, where = max(((-x, w) for x, w in steps), key=lambda t: t[0])
+            return Outcome(ok, "not monotone: " + "; ".join(parts), len(p), gpus=gpus, reps=reps,
+                           margin=d, margin_note=f"largest dip {where}")
+        rise, rwhere = min(steps, key=lambda t: t[0])
         lps = set(int(x) for x in p["workload.prefix_len"])
         lo, hi = MONOTONE_LP_SPAN
         if not ({lo, hi} <= lps and len(lps) >= MONOTONE_MIN_LPS):
             return Outcome(why=f"only Lp {sorted(lps)} measured (non-decreasing so far: {'; '.join(parts)}); "
                                f"the claim spans Lp {lo}..{hi}: needs both ends and >= {MONOTONE_MIN_LPS} Lp values",
                            gpus=gpus)
-        return Outcome(ok, "monotone: " + "; ".join(parts), len(p), gpus=gpus, reps=reps)
+        return Outcome(ok, "monotone: " + "; ".join(parts), len(p), gpus=gpus, reps=reps,
+                       margin=rise, margin_note=f"smallest rise {rwhere}")
     raise ValueError(reduce)
 
 
@@ -436,9 +446,12 @@ def evaluate(res: Results, claims: pd.DataFrame | None = None) -> pd.DataFrame:
             why += other_hardware_note(ctx, c, sel, base)
         at, rel = margin(o.value, flip_points(c["check"], _num(c["paper_value"]), paper_hi=_num(c["paper_value_hi"]),
                                               better=c["better"] or None, ratio=c["unit"] == "x"))
+        shown = _margin_shown(at, rel)
+        if c["check"] == "true" and v != NOT_MEASURED and np.isfinite(o.margin):
+            rel, shown = o.margin, f"{o.margin:.1%} ({o.margin_note})"
         rows.append({**c.to_dict(), "ours": o.value, "ours_shown": o.shown if v != NOT_MEASURED else "",
                      "n": o.n, "reps": o.reps, "our_hardware": ", ".join(o.gpus), "verdict": v, "why": why,
-                     "flips_at": at, "margin": rel, "margin_shown": _margin_shown(at, rel)})
+                     "flips_at": at, "margin": rel, "margin_shown": shown, "margin_note": o.margin_note})
     return pd.DataFrame(rows)
 
 

@@ -396,8 +396,10 @@ def close_calls(ev: pd.DataFrame, close: float = CLOSE) -> list[str]:
         n, reps = int(c["n"]), int(c.get("reps", 0) or 0)
         behind = f"{n} configuration{'s' if n != 1 else ''}" + (
             f", the fewest repetitions behind one: {reps}" if reps else "")
-        L.append(f"- `{c['id']}`: ours {c['ours_shown']} ({behind}), **{c['verdict']}**; it flips "
-                 f"at {c['flips_at']:.4g}, {c['margin']:.1%} away (paper {paper_shown(c)}).")
+        flip = (f"it flips at {c['flips_at']:.4g}, {c['margin']:.1%} away" if np.isfinite(float(c["flips_at"]))
+                else f"it turns on its {c['margin_note']} ({c['margin']:.1%})")
+        L.append(f"- `{c['id']}`: ours {c['ours_shown']} ({behind}), **{c['verdict']}**; {flip} "
+                 f"(paper {paper_shown(c)}).")
     return L
 
 

@@ -149,6 +149,14 @@ def test_monotone_needs_the_claimed_lp_span():
     assert _monotone([8192, 16384], [1.9, 1.5]).value is False             # a decrease refutes at once
 
 
+def test_monotone_margin_is_the_step_that_decides():
+    full = [512, 1024, 2048, 4096, 8192, 16384]
+    up = _monotone(full, [1.0, 1.0, 1.1, 1.3, 1.5, 1.9])
+    assert up.margin == pytest.approx(0.0) and up.margin_note == "smallest rise 1.00@512 -> 1.00@1024"
+    down = _monotone(full, [1.0, 1.2, 1.1, 1.3, 1.2, 1.9])              # two dips: 8.3% and 7.7%
+    assert down.margin == pytest.approx(0.1 / 1.2) and down.margin_note == "largest dip 1.20@1024 -> 1.10@2048"
+
+
 def _ctx(rows: list[dict]):
     from types import SimpleNamespace
 
@@ -240,3 +248,7 @@ def test_close_calls_lists_only_near_flips():
     assert "`near`" in text and "flips at 0.97, 1.1% away" in text and "fewest repetitions behind one: 1" in text
     assert "`far`" not in text and "`unmeasured`" not in text
     assert close_calls(ev[ev["id"] == "far"]) == []
+    mono = pd.DataFrame([{"id": "mono", "ours_shown": "not monotone: ...", "n": 6, "reps": 1, "verdict": NR,
+                          "flips_at": float("nan"), "margin": 0.019, "margin_note": "largest dip 1.05@512 -> 1.03@1024",
+                          "check": "true", "paper_value": "", "paper_value_hi": "", "unit": "bool"}])
+    assert "it turns on its largest dip 1.05@512 -> 1.03@1024 (1.9%)" in "\n".join(close_calls(mono))
