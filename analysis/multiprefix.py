@@ -16,6 +16,7 @@ import seaborn as sns
 from analysis.common import NOT_MEASURED, placeholder_figure, plt, rename_short, save_figure, system_table, with_derived, write_table
 from analysis.headline import DIGITS
 from analysis.load import Results
+from analysis.plots import system_colors, system_order
 
 NAME = "multiprefix"
 FIGURES = (NAME,)
@@ -61,8 +62,10 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     by = ["mode", "config"] + [c for c in keys if c not in ("mode", "config", "system", "workload.prefix_lens")]
     panels = list(m.groupby(by, dropna=False, sort=True))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.4), squeeze=False)
+    colors = system_colors(m["system"].unique())
     for ax, (key, g) in zip(axes.flat, panels):
-        sns.barplot(data=g.assign(k=g["workload.num_prefixes"].astype(int)), x="k", y="mean", hue="system", ax=ax)
+        sns.barplot(data=g.assign(k=g["workload.num_prefixes"].astype(int)), x="k", y="mean", hue="system", ax=ax,
+                    hue_order=system_order(g["system"].unique()), palette=colors)
         ax.set_ylabel("output tok/s")
         ax.set_title(", ".join(map(str, key if isinstance(key, tuple) else (key,))), fontsize=8)
         ax.legend(fontsize=6)

@@ -11,6 +11,23 @@ from analysis.common import NOT_MEASURED, SHORT, placeholder_figure, plt, save_f
 
 sns.set_theme(style="whitegrid", context="paper")
 
+# One colour per system in every figure (a system keeps its colour whichever systems a panel has)
+SYSTEM_ORDER = ("sglang_default", "sglang_cascade", "hydragen", "granikv", "granikv_dense_only",
+                "granikv_cascade_only")
+
+
+def system_colors(systems) -> dict:
+    """{system: colour}: the known systems in SYSTEM_ORDER take fixed palette slots, others the next ones."""
+    pal = sns.color_palette("tab10", 10)
+    names = list(SYSTEM_ORDER) + sorted(set(map(str, systems)) - set(SYSTEM_ORDER))
+    return {s: pal[i % len(pal)] for i, s in enumerate(names)}
+
+
+def system_order(systems) -> list[str]:
+    """The systems present, in SYSTEM_ORDER (unknown ones after, sorted)."""
+    present = set(map(str, systems))
+    return [s for s in SYSTEM_ORDER if s in present] + sorted(present - set(SYSTEM_ORDER))
+
 
 def _facets(df: pd.DataFrame, facet: list[str]) -> list[tuple[str, pd.DataFrame]]:
     if df.empty:
@@ -73,13 +90,15 @@ def lines_vs(table: pd.DataFrame, name: str, out: Path, x: str, facet: list[str]
         return
     n = len(panels)
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.4), squeeze=False)
+    colors = system_colors(df["system"].unique())
     for ax, (lab, g) in zip(axes.flat, panels):
-        for s, gs in g.groupby("system", sort=True):
-            gs = gs.sort_values(x)
+        for s in system_order(g["system"].unique()):
+            gs = g[g["system"] == s].sort_values(x)
             yerr = None
             if value == "mean" and {"min", "max"} <= set(gs.columns):
                 yerr = np.vstack([(gs["mean"] - gs["min"]).fillna(0), (gs["max"] - gs["mean"]).fillna(0)]).astype(float)
-            ax.errorbar(gs[x].astype(float), gs[value].astype(float), yerr=yerr, marker="o", label=s, capsize=2)
+            ax.errorbar(gs[x].astype(float), gs[value].astype(float), yerr=yerr, marker="o", label=s, capsize=2,
+                        color=colors[s])
         ax.set_xscale("log", base=2)
         if logy:
             ax.set_yscale("log")

@@ -51,3 +51,12 @@ def test_split_pairs_line_names_pairs_measured_at_different_commits():
     casc = pd.concat([t, pd.DataFrame([{"config": "m TP=4", "workload.prefix_len": 512, "system.name": "sglang_cascade",
                                         "commit": "ddd", "prefill_p50_ms": 50.0}])])
     assert "sglang_cascade at ddd" in split_pairs_line(casc, "m TP=4", "sglang_cascade", lps=[512.0])
+
+
+def test_a_system_keeps_its_colour_in_every_figure():
+    from analysis.plots import system_colors, system_order
+    full = system_colors(["granikv", "hydragen", "sglang_cascade", "sglang_default"])
+    part = system_colors(["granikv", "sglang_default"])                # a panel without two of the systems
+    assert part["granikv"] == full["granikv"] and part["sglang_default"] == full["sglang_default"]
+    assert len({full[s] for s in full}) == len(full)                    # distinct colours
+    assert system_order(["granikv", "zz_new", "sglang_default"]) == ["sglang_default", "granikv", "zz_new"]
