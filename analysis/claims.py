@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.common import NOT_MEASURED, aggregate, geomean, identity, paired, parse_selectors, select, show
+from analysis.common import NOT_MEASURED, SHORT, aggregate, geomean, identity, paired, parse_selectors, select, show
 from analysis.dispatch_routing import with_dispatch
 from analysis.load import Results
 
@@ -110,6 +110,7 @@ class Outcome:
     reps: int = 0        # fewest repetitions behind one of its configurations (0 = not tracked by the statistic)
     margin: float = float("nan")   # qualitative claims: the relative change that would flip the verdict
     margin_note: str = ""          # ... and where it is
+    decider: str = ""              # the configuration(s) the number turns on, with their repetitions
 
 
 def load_claims(path: str | Path = CLAIMS_CSV) -> pd.DataFrame:
@@ -195,6 +196,22 @@ WHAT = {"cells": "cell", "kernels": "kernel row", "trace": "profiled cell",
         "steps": "serving cell of a dispatching system"}
 
 
+LABEL_KEYS = ("model.name", "tp", "hardware.name", "workload.num_prefixes", "workload.prefix_len", "workload.batch",
+              "system")
+
+
+def pair_label(p: pd.DataFrame, i) -> str:
+    """One row of :func:`analysis.common.paired` for prose: the keys that tell it from the other pairs
+    (Lp, B and system always), and the repetitions behind it and behind its baseline."""
+    row = p.loc[i]
+    keys = [k for k in LABEL_KEYS if k in p.columns and
+            (k in ("workload.prefix_len", "workload.batch", "system") or p[k].nunique(dropna=False) > 1)]
+    keys = [k for k in keys if not pd.isna(row[k])]
+    n, nb = int(row["n_num"]), int(row["n_base"])
+    return (", ".join(f"{SHORT.get(k, k)}={show(row[k])}" for k in keys)
+            + f" ({n} repetition{'s' if n != 1 else ''}; its baseline {nb})")
+
+
 def _ratio_stat(ctx: Context, c: pd.Series, sel: dict, base: dict, reduce: str) -> Outcome:
     df, what = ctx.frame(c["frame"]), WHAT[c["frame"]]
     num = select(df, sel) if not df.empty else df
@@ -210,14 +227,17 @@ def _ratio_stat(ctx: Context, c: pd.Series, sel: dict, base: dict, reduce: str) 
         return Outcome(why=f"`{c['metric']}` is missing in every matching {what}", gpus=gpus)
     r = p["ratio"].astype(float)
     reps = int(min(p["n_num"].min(), p["n_base"].min()))
+    only = pair_label(p, p.index[0]) if len(p) == 1 else ""
     if reduce == "geomean":
-        return Outcome(geomean(r), f"{geomean(r):.2f}", len(p), gpus=gpus, reps=reps)
+        return Outcome(geomean(r), f"{geomean(r):.2f}", len(p), gpus=gpus, reps=reps, decider=only)
     if reduce == "inverse":
         v = 1.0 / geomean(r)
-        return Outcome(v, f"{v:.2f}", len(p), gpus=gpus, reps=reps)
+        return Outcome(v, f"{v:.2f}", len(p), gpus=gpus, reps=reps, decider=only)
     if reduce == "max_abs_dev":
-        v = float((r - 1).abs().max())
-        return Outcome(v, f"{v:.3f} (ratios {r.min():.3f}..{r.max():.3f})", len(p), gpus=gpus, reps=reps)
+        dev = (r - 1).abs()
+        v = float(dev.max())
+        return Outcome(v, f"{v:.3f} (ratios {r.min():.3f}..{r.max():.3f})", len(p), gpus=gpus, reps=reps,
+                       decider=pair_label(p, dev.idxmax()))
     if reduce == "monotone":
         keys = [k for k in identity(p, ctx.res.config_columns) if k != "workload.prefix_len"]
         ok, parts, steps = True, [], []    # steps: (relative change, "a@lp -> b@lp") between neighbouring Lp
@@ -228,16 +248,19 @@ def _ratio_stat(ctx: Context, c: pd.Series, sel: dict, base: dict, reduce: str) 
             ok &= bool((g["ratio"].diff().dropna() >= -EPS).all())
             pts = [(float(v), int(lp)) for lp, v in zip(g["workload.prefix_len"], g["ratio"])]
             parts.append(" -> ".join(f"{v:.2f}@{lp}" for v, lp in pts))
-            steps += [((b - a) / a, f"{a:.2f}@{la} -> {b:.2f}@{lb}") for (a, la), (b, lb) in zip(pts, pts[1:])]
+            idx = list(g.index)
+            steps += [((b - a) / a, f"{a:.2f}@{la} -> {b:.2f}@{lb}",
+                       f"{pair_label(p, i)} and {pair_label(p, j)}")
+                      for (a, la), (b, lb), i, j in zip(pts, pts[1:], idx, idx[1:])]
         if not parts:
             return Outcome(why=f"fewer than two Lp values measured ({len(p)} pair)", gpus=gpus)
         # the flip distance: a "not monotone" verdict needs its largest dip closed, a "monotone" one turns on
         # its smallest rise
         if not ok:       # a counterexample decides, however few Lp values were measured
-            d, where = max(((-x, w) for x, w in steps), key=lambda t: t[0])
+            d, where, who = max(((-x, w, h) for x, w, h in steps), key=lambda t: t[0])
             return Outcome(ok, "not monotone: " + "; ".join(parts), len(p), gpus=gpus, reps=reps,
-                           margin=d, margin_note=f"largest dip {where}")
-        rise, rwhere = min(steps, key=lambda t: t[0])
+                           margin=d, margin_note=f"largest dip {where}", decider=who)
+        rise, rwhere, rwho = min(steps, key=lambda t: t[0])
         lps = set(int(x) for x in p["workload.prefix_len"])
         lo, hi = MONOTONE_LP_SPAN
         if not ({lo, hi} <= lps and len(lps) >= MONOTONE_MIN_LPS):
@@ -245,7 +268,7 @@ def _ratio_stat(ctx: Context, c: pd.Series, sel: dict, base: dict, reduce: str) 
                                f"the claim spans Lp {lo}..{hi}: needs both ends and >= {MONOTONE_MIN_LPS} Lp values",
                            gpus=gpus)
         return Outcome(ok, "monotone: " + "; ".join(parts), len(p), gpus=gpus, reps=reps,
-                       margin=rise, margin_note=f"smallest rise {rwhere}")
+                       margin=rise, margin_note=f"smallest rise {rwhere}", decider=rwho)
     raise ValueError(reduce)
 
 
@@ -451,7 +474,8 @@ def evaluate(res: Results, claims: pd.DataFrame | None = None) -> pd.DataFrame:
             rel, shown = o.margin, f"{o.margin:.1%} ({o.margin_note})"
         rows.append({**c.to_dict(), "ours": o.value, "ours_shown": o.shown if v != NOT_MEASURED else "",
                      "n": o.n, "reps": o.reps, "our_hardware": ", ".join(o.gpus), "verdict": v, "why": why,
-                     "flips_at": at, "margin": rel, "margin_shown": shown, "margin_note": o.margin_note})
+                     "flips_at": at, "margin": rel, "margin_shown": shown, "margin_note": o.margin_note,
+                     "decider": o.decider})
     return pd.DataFrame(rows)
 
 

@@ -398,8 +398,9 @@ def close_calls(ev: pd.DataFrame, close: float = CLOSE) -> list[str]:
             f", the fewest repetitions behind one: {reps}" if reps else "")
         flip = (f"it flips at {c['flips_at']:.4g}, {c['margin']:.1%} away" if np.isfinite(float(c["flips_at"]))
                 else f"it turns on its {c['margin_note']} ({c['margin']:.1%})")
+        who = str(c.get("decider", "") or "")
         L.append(f"- `{c['id']}`: ours {c['ours_shown']} ({behind}), **{c['verdict']}**; {flip} "
-                 f"(paper {paper_shown(c)}).")
+                 f"(paper {paper_shown(c)}).{' Deciding cells: ' + who + '.' if who else ''}")
     return L
 
 

@@ -155,6 +155,15 @@ def test_monotone_margin_is_the_step_that_decides():
     assert up.margin == pytest.approx(0.0) and up.margin_note == "smallest rise 1.00@512 -> 1.00@1024"
     down = _monotone(full, [1.0, 1.2, 1.1, 1.3, 1.2, 1.9])              # two dips: 8.3% and 7.7%
     assert down.margin == pytest.approx(0.1 / 1.2) and down.margin_note == "largest dip 1.20@1024 -> 1.10@2048"
+    assert down.decider == "Lp=1024 (1 repetition; its baseline 1) and Lp=2048 (1 repetition; its baseline 1)"
+
+
+def test_pair_label_names_the_cell_and_its_repetitions():
+    p = pd.DataFrame({"model.name": ["llama3_8b"] * 2, "workload.prefix_len": [512.0, 4096.0],
+                      "workload.batch": [256.0, 256.0], "system": ["granikv", "granikv"],
+                      "n_num": [2, 1], "n_base": [3, 1]})
+    assert C.pair_label(p, 0) == "Lp=512, B=256, system=granikv (2 repetitions; its baseline 3)"
+    assert C.pair_label(p, 1) == "Lp=4096, B=256, system=granikv (1 repetition; its baseline 1)"
 
 
 def _ctx(rows: list[dict]):
