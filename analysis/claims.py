@@ -452,8 +452,10 @@ def other_hardware_note(ctx: Context, c: pd.Series, sel: dict, base: dict) -> st
 
 def evaluate(res: Results, claims: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per claim: the claim's columns plus ``ours``, ``ours_shown``, ``n``, ``our_hardware``,
-    ``verdict``, ``why``, ``reps`` (fewest repetitions behind one configuration; 0 = not tracked), and how close the verdict is to flipping: ``flips_at`` (the nearest value of
-    our number where it would change), ``margin`` (the distance to it, relative) and ``margin_shown``."""
+    ``verdict``, ``why``, ``reps`` (fewest repetitions behind one configuration; 0 = not tracked), and
+    how close the verdict is to flipping: ``flips_at`` (the nearest value of our number where it would
+    change; NaN for qualitative claims), ``margin`` (the relative distance to it, or for a qualitative
+    claim the step it turns on), ``margin_shown``, ``margin_note`` and ``decider`` (the deciding cells)."""
     claims = load_claims() if claims is None else claims
     ctx = Context(res)
     rows = []

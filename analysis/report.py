@@ -385,7 +385,7 @@ def close_calls(ev: pd.DataFrame, close: float = CLOSE) -> list[str]:
     """REPORT lines for the verdicts within ``close`` (relative) of the value where they flip: a close call
     rests on the run-to-run spread of the cells behind it, so more repetitions may turn it."""
     m = pd.to_numeric(ev["margin"], errors="coerce")
-    keep = ((m < close) & (ev["verdict"] != "not measured")).to_numpy()
+    keep = ((m < close) & (ev["verdict"] != NOT_MEASURED)).to_numpy()
     cc = ev[keep].iloc[np.argsort(m[keep].to_numpy(), kind="stable")]
     if cc.empty:
         return []
