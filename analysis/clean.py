@@ -10,7 +10,9 @@ configuration ran without it, averaging the two would mix the artefact into the 
 :func:`prefer_clean` keeps, per configuration (every identity column, the system included), the
 repetitions whose capture share of the run is below ``CAPTURE_LIMIT`` whenever there is at least
 one, and moves the others to ``Results.set_aside``. A configuration measured only with capture keeps
-its repetitions (there is nothing better to use; the REPORT names the share).
+its repetitions (there is nothing better to use; the REPORT names the share). An instrumented cell
+(profiler or nsys on, ``with_derived``'s ``instrumented``) is a different measurement from a plain one
+of the same configuration: neither ever stands in for the other.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from dataclasses import replace
 
 import pandas as pd
 
-from analysis.common import NULL, identity
+from analysis.common import NULL, identity, with_derived
 from analysis.load import Results
 
 CAPTURE_LIMIT = 0.01   # capture time / run time at which a repetition counts as affected (REPORT's capture_check too)
@@ -42,6 +44,7 @@ def prefer_clean(res: Results, limit: float = CAPTURE_LIMIT) -> Results:
     ids = identity(c, res.config_columns)
     keys = c[ids].astype(object).where(c[ids].notna(), NULL).astype(str).agg("\x1f".join, axis=1) if ids else \
         pd.Series("", index=c.index)
+    keys = keys + with_derived(c)["instrumented"].map({True: "\x1finstrumented", False: ""})
     affected = serving & (share >= limit)
     clean = serving & ~(share >= limit)
     clean_path = c.loc[clean].groupby(keys[clean])["path"].first()

@@ -15,7 +15,7 @@ from analysis.bounds import bound_line, calibration_line, kernel_pair_line
 from analysis.clean import all_cells, set_aside_line
 from analysis.claims import CLOSE, NOT_REPRODUCED, REPRODUCED, evaluate, paper_shown
 from analysis.common import (NOT_MEASURED, NULL, PAPER_HARDWARE, config_label, fmt, identity, parse_selectors, select,
-                             show, write_table)
+                             show, with_derived, write_table)
 from analysis.kernel import LAYOUT_BASE, LAYOUT_NUM, kernel_frame, layout_speedup
 from analysis.multiprefix import storage_line
 from analysis.sharegpt_matrix import peak_line
@@ -46,13 +46,15 @@ def concurrency_check(res: Results, metric: str = "output_throughput_tok_s", ste
     """Configurations measured both alone and while another sweep shared the host
     (provenance.concurrent_sweeps > 1): the ratio of their mean ``metric``, shared / alone, so a
     bias from sharing the host is visible before the repetitions are pooled; and the same ratio of
-    ``step_metric`` (the median per-token step), which tells GPU-side from host-side slowdowns."""
+    ``step_metric`` (the median per-token step), which tells GPU-side from host-side slowdowns.
+    Plain cells only: a profiled (instrumented) run is slower by design and is no twin of a plain one."""
     c = res.cells
     col = "provenance.concurrent_sweeps"
     if c.empty or col not in c.columns or metric not in c.columns:
         return ""
     step = step_metric if step_metric in c.columns else None
     c = c[c["kind"] == "serving"] if "kind" in c.columns else c
+    c = c[~with_derived(c)["instrumented"].to_numpy(dtype=bool)] if not c.empty else c
     shared = pd.to_numeric(c[col], errors="coerce").fillna(1) > 1
     if not shared.any():
         return ""

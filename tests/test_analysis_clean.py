@@ -59,3 +59,12 @@ def test_other_configurations_never_stand_in():
                 ("sglang_default", 512, 0, 0.0, 2.0, 1.0)])
     assert prefer_clean(res) is res
 
+
+
+def test_instrumented_cells_never_stand_in_for_plain_ones():
+    # a profiled run (torch.profiler on: slower by design) of the same configuration is another measurement
+    res = _res([("granikv", 512, 0, 0.5, 2.0, 1000.0), ("granikv", 512, 1, 0.0, 2.0, 300.0)])
+    res.cells["profile_steps"] = [0, 20]
+    assert prefer_clean(res) is res                       # the plain cell stays, though only it captured
+    res.cells["profile_steps"] = [0, 0]
+    assert len(prefer_clean(res).set_aside) == 1          # a plain clean twin does replace it

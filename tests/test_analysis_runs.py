@@ -445,6 +445,13 @@ def test_report_compares_shared_host_cells_with_cells_run_alone(res):
     line = concurrency_check(type(res)(root=res.root, cells=alone, failures=res.failures, kernels=res.kernels,
                                        config_columns=res.config_columns))
     assert line.startswith("1 cells ran while another sweep shared the host") and "not measured" in line
+    profiled = twin.copy()                                             # a profiled run is no twin of a plain one
+    profiled["provenance.concurrent_sweeps"] = 1
+    profiled["profile_steps"] = 20
+    profiled["output_throughput_tok_s"] = serving["output_throughput_tok_s"].iloc[0] * 0.3
+    line = concurrency_check(type(res)(root=res.root, cells=pd.concat([mixed, profiled], ignore_index=True),
+                                       failures=res.failures, kernels=res.kernels, config_columns=res.config_columns))
+    assert "output_throughput_tok_s shared / alone: median 0.900" in line
 
 
 def test_report_flags_graph_capture_inside_measured_runs(res):

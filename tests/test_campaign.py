@@ -184,3 +184,18 @@ def test_set_aside_cells_still_count_as_measured(smoke_raw):
     aside = replace(res, cells=res.cells.iloc[1:].reset_index(drop=True), set_aside=moved)
     t, cells = coverage.tables(aside, [SMOKE])
     assert set(cells["status"]) == {coverage.MEASURED} and t.iloc[0]["measured"] == len(res.cells)
+
+
+def test_missing_values_are_told_in_the_sweeps_own_order():
+    """A resumed sweep misses the tail of its first row and every later row: the command keeps each
+    axis in launch order, and an axis the missing cells still cover entirely is not restricted."""
+    rows = [{"status": coverage.MEASURED if (lp, b) in {("512", "64"), ("512", "128")} else coverage.MISSING,
+             "_overrides": [f"workload.prefix_len={lp}", f"workload.batch={b}"]}
+            for lp in ("512", "1024") for b in ("64", "128", "256")]
+    what, command = coverage.missing_command(SMOKE, rows)
+    assert what == "every swept value (6 cells, 2 of them measured and skipped)"
+    assert command == SMOKE.device_command(SMOKE.overrides)
+    rows[3]["status"] = coverage.MEASURED                      # Lp=1024 B=64 too: B=64 is no longer missing
+    rows[0]["status"] = rows[1]["status"] = coverage.MEASURED
+    what, _ = coverage.missing_command(SMOKE, rows)
+    assert what.startswith("workload.batch=128,256 ")
