@@ -38,6 +38,25 @@ def _facets(df: pd.DataFrame, facet: list[str]) -> list[tuple[str, pd.DataFrame]
             for key, g in df.groupby(facet, sort=True)]
 
 
+# table columns that hold measurements, not configuration (system_table's and the modules' own)
+MEASURE_COLS = ("system", "n", "mean", "sd", "min", "max", "tpot_p50_ms", "ttft_p50_ms", "status", "vs_own_k1")
+
+
+def one_per_point(g: pd.DataFrame, keys: list[str]) -> tuple[pd.DataFrame, int]:
+    """(rows of ``g`` with one row per ``keys`` value, how many were left out). Where two configurations
+    share a point (e.g. the grid's cell and the engine bench's cell at Lp=8K, B=256: other warm-up and
+    runner), the row of the configuration that has the most rows in ``g`` is drawn, so a figure never
+    averages or joins two configurations; the table keeps both rows."""
+    if g.empty or not g.duplicated(keys).any():
+        return g, 0
+    conf = [c for c in g.columns if c not in keys and c not in MEASURE_COLS and not str(c).startswith("ratio_vs_")]
+    variant = g[conf].astype(str).agg("\x1f".join, axis=1) if conf else pd.Series("", index=g.index)
+    rank = variant.map(variant.value_counts())
+    kept = g.assign(_rank=rank.to_numpy()).sort_values("_rank", ascending=False, kind="stable")
+    kept = kept[~kept.duplicated(keys)].drop(columns="_rank").sort_index()
+    return kept, len(g) - len(kept)
+
+
 def _int_labels(grid: pd.DataFrame) -> pd.DataFrame:
     fix = lambda v: int(v) if isinstance(v, (float, np.floating)) and float(v).is_integer() else v  # noqa: E731
     grid.index = [fix(v) for v in grid.index]
@@ -61,7 +80,11 @@ def ratio_heatmaps(table: pd.DataFrame, name: str, out: Path, rows: str, cols: s
     ncol = min(n, 3)
     nrow = int(np.ceil(n / ncol))
     fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.4 * nrow), squeeze=False)
+    left_out = 0
     for ax, (lab, g) in zip(axes.flat, panels):
+        m = g["status"] == "measured"
+        kept, k = one_per_point(g[m], [rows, cols])
+        g, left_out = pd.concat([kept, g[~m]]), left_out + k       # not-measured rows keep the grid whole
         g = g.assign(_v=pd.to_numeric(g[value], errors="coerce"))
         grid = g.pivot_table(index=rows, columns=cols, values="_v", aggfunc="mean", dropna=False)
         grid = _int_labels(grid.sort_index(ascending=False))
@@ -74,7 +97,7 @@ def ratio_heatmaps(table: pd.DataFrame, name: str, out: Path, rows: str, cols: s
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     fig.suptitle(title or value)
-    fig.text(0.5, -0.02, f"blank: {NOT_MEASURED}", ha="center", fontsize=7)
+    fig.text(0.5, -0.02, f"blank: {NOT_MEASURED}" + _left_out_note(left_out), ha="center", fontsize=7)
     fig.tight_layout()
     save_figure(fig, name, out)
 
@@ -91,9 +114,12 @@ def lines_vs(table: pd.DataFrame, name: str, out: Path, x: str, facet: list[str]
     n = len(panels)
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.4), squeeze=False)
     colors = system_colors(df["system"].unique())
+    left_out = 0
     for ax, (lab, g) in zip(axes.flat, panels):
         for s in system_order(g["system"].unique()):
-            gs = g[g["system"] == s].sort_values(x)
+            gs, k = one_per_point(g[g["system"] == s], [x])
+            left_out += k
+            gs = gs.sort_values(x)
             yerr = None
             if value == "mean" and {"min", "max"} <= set(gs.columns):
                 yerr = np.vstack([(gs["mean"] - gs["min"]).fillna(0), (gs["max"] - gs["mean"]).fillna(0)]).astype(float)
@@ -107,5 +133,11 @@ def lines_vs(table: pd.DataFrame, name: str, out: Path, x: str, facet: list[str]
         ax.set_title(lab, fontsize=8)
         ax.legend(fontsize=7)
     fig.suptitle(title)
+    if left_out:
+        fig.text(0.5, -0.02, _left_out_note(left_out).lstrip("; "), ha="center", fontsize=7)
     fig.tight_layout()
     save_figure(fig, name, out)
+
+
+def _left_out_note(n: int) -> str:
+    return f"; {n} point(s) of another configuration at the same coordinates: in the table, not drawn" if n else ""

@@ -60,3 +60,19 @@ def test_a_system_keeps_its_colour_in_every_figure():
     assert part["granikv"] == full["granikv"] and part["sglang_default"] == full["sglang_default"]
     assert len({full[s] for s in full}) == len(full)                    # distinct colours
     assert system_order(["granikv", "zz_new", "sglang_default"]) == ["sglang_default", "granikv", "zz_new"]
+
+
+def test_a_figure_draws_one_configuration_per_point():
+    """Two configurations at one (Lp, B) (the grid's cell and the engine bench's, other warm-up): the
+    figure takes the configuration with the most rows in the panel, never a mean of the two."""
+    from analysis.plots import one_per_point
+    t = pd.DataFrame({"workload.prefix_len": [512, 1024, 8192, 8192, 16384],
+                      "workload.batch": [256] * 5,
+                      "warmup_requests": [256, 256, 0, 256, 256],
+                      "system": ["sglang_cascade"] * 5, "status": ["measured"] * 5,
+                      "mean": [1.0, 2.0, 10.0, 30.0, 4.0], "ratio_vs_sglang_default": [1.1, 1.2, 1.8, 2.3, 2.9]})
+    kept, n = one_per_point(t, ["workload.prefix_len", "workload.batch"])
+    assert n == 1 and list(kept["mean"]) == [1.0, 2.0, 30.0, 4.0]
+    alone = t[t["warmup_requests"] == 0]                 # a point of its own is drawn whatever its configuration
+    k, n = one_per_point(alone, ["workload.prefix_len"])
+    assert n == 0 and k is alone
