@@ -86,7 +86,7 @@ def ratio_heatmaps(table: pd.DataFrame, name: str, out: Path, rows: str, cols: s
         kept, k = one_per_point(g[m], [rows, cols])
         g, left_out = pd.concat([kept, g[~m]]), left_out + k       # not-measured rows keep the grid whole
         g = g.assign(_v=pd.to_numeric(g[value], errors="coerce"))
-        grid = g.pivot_table(index=rows, columns=cols, values="_v", aggfunc="mean", dropna=False)
+        grid = g.pivot_table(index=rows, columns=cols, values="_v", aggfunc="first", dropna=False)
         grid = _int_labels(grid.sort_index(ascending=False))
         sns.heatmap(grid, annot=True, fmt=".2f", cmap="RdBu", center=1.0, cbar=False, ax=ax)
         ax.set_title(lab, fontsize=8)

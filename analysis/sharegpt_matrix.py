@@ -14,7 +14,7 @@ import seaborn as sns
 from analysis.common import LPS, PAPER_CONFIG_LABELS, SHAREGPT_B, plt, rename_short, save_figure, system_table, write_table
 from analysis.headline import DIGITS
 from analysis.load import Results
-from analysis.plots import _int_labels, ratio_heatmaps
+from analysis.plots import _int_labels, one_per_point, ratio_heatmaps
 
 NAME = "sharegpt_matrix"
 FIGURES = ("sharegpt_ratio_heatmap", "sharegpt_throughput_heatmap")
@@ -40,8 +40,9 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
         cfgs = sorted(g["config"].unique())
         fig, axes = plt.subplots(1, len(cfgs), figsize=(4.2 * len(cfgs), 3.4), squeeze=False)
         for ax, c in zip(axes.flat, cfgs):
-            grid = g[g["config"] == c].pivot_table(index="workload.prefix_len", columns="workload.batch",
-                                                   values="mean", aggfunc="mean").sort_index(ascending=False)
+            one, _ = one_per_point(g[g["config"] == c], ["workload.prefix_len", "workload.batch"])
+            grid = one.pivot_table(index="workload.prefix_len", columns="workload.batch",
+                                   values="mean", aggfunc="first").sort_index(ascending=False)
             sns.heatmap(_int_labels(grid), annot=True, fmt=".0f", cmap="viridis", cbar=False, ax=ax)
             ax.set_ylabel("Lp")
             ax.set_xlabel("B")
