@@ -87,6 +87,9 @@ def ratio_heatmaps(table: pd.DataFrame, name: str, out: Path, rows: str, cols: s
         g, left_out = pd.concat([kept, g[~m]]), left_out + k       # not-measured rows keep the grid whole
         g = g.assign(_v=pd.to_numeric(g[value], errors="coerce"))
         grid = g.pivot_table(index=rows, columns=cols, values="_v", aggfunc="first", dropna=False)
+        planned = g[g["status"] != "measured"]      # expected cells not measured: they stay, blank
+        grid = grid.loc[[r for r in grid.index if grid.loc[r].notna().any() or r in set(planned[rows])],
+                        [c for c in grid.columns if grid[c].notna().any() or c in set(planned[cols])]]
         grid = _int_labels(grid.sort_index(ascending=False))
         sns.heatmap(grid, annot=True, fmt=".2f", cmap="RdBu", center=1.0, cbar=False, ax=ax)
         ax.set_title(lab, fontsize=8)
