@@ -124,7 +124,7 @@ def missing_command(item: CampaignItem, rows: list[dict]) -> tuple[str, str]:
     cut = {k: [x for x in full[k] if x in v] for k, v in cut.items()}   # in the sweep's own order
     restrict = [f"{k}={','.join(v)}" for k, v in cut.items() if v != full.get(k)]
     covered = math.prod(len(v) for v in cut.values()) if cut else 1
-    what = "; ".join(f"{k}={','.join(v)}" for k, v in cut.items() if v != full.get(k)) or "every swept value"
+    what = "; ".join(restrict) or "every swept value"
     if covered > len(miss):
         what += f" ({covered} cells, {covered - len(miss)} of them measured and skipped)"
     return what, item.device_command(item.overrides + restrict)

@@ -84,12 +84,12 @@ def ratio_heatmaps(table: pd.DataFrame, name: str, out: Path, rows: str, cols: s
     for ax, (lab, g) in zip(axes.flat, panels):
         m = g["status"] == "measured"
         kept, k = one_per_point(g[m], [rows, cols])
-        g, left_out = pd.concat([kept, g[~m]]), left_out + k       # not-measured rows keep the grid whole
+        planned = g[~m]                              # expected cells not measured: they stay, blank
+        g, left_out = pd.concat([kept, planned]), left_out + k
         g = g.assign(_v=pd.to_numeric(g[value], errors="coerce"))
         grid = g.pivot_table(index=rows, columns=cols, values="_v", aggfunc="first", dropna=False)
-        planned = g[g["status"] != "measured"]      # expected cells not measured: they stay, blank
-        grid = grid.loc[[r for r in grid.index if grid.loc[r].notna().any() or r in set(planned[rows])],
-                        [c for c in grid.columns if grid[c].notna().any() or c in set(planned[cols])]]
+        grid = grid.loc[grid.notna().any(axis=1) | grid.index.isin(planned[rows]),
+                        grid.notna().any(axis=0) | grid.columns.isin(planned[cols])]
         grid = _int_labels(grid.sort_index(ascending=False))
         sns.heatmap(grid, annot=True, fmt=".2f", cmap="RdBu", center=1.0, cbar=False, ax=ax)
         ax.set_title(lab, fontsize=8)

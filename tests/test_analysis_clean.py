@@ -60,7 +60,6 @@ def test_other_configurations_never_stand_in():
     assert prefer_clean(res) is res
 
 
-
 def test_instrumented_cells_never_stand_in_for_plain_ones():
     # a profiled run (torch.profiler on: slower by design) of the same configuration is another measurement
     res = _res([("granikv", 512, 0, 0.5, 2.0, 1000.0), ("granikv", 512, 1, 0.0, 2.0, 300.0)])
