@@ -85,7 +85,9 @@ def test_a_failed_gate_stops_later_sweeps_of_the_same_call(repo, tmp_path):
 
 def test_slim_tree_leaves_out_the_bulk_and_brings_it_back(tmp_path):
     """runners/gpu/slim_tree.sh on a throwaway git repo: `on` removes the per-cell traces from the
-    working tree (not from git) and keeps config/metrics; `off` restores them byte for byte."""
+    working tree (not from git) and keeps config/metrics; `off` restores them byte for byte.
+    Traces of a cell not yet committed stay on disk but are excluded from what travels while `on`
+    holds; `off` lists them again and leaves the user's own exclude lines alone."""
     g = tmp_path / "g"
     cell = g / "results" / "raw" / "sweep" / "system=granikv"
     cell.mkdir(parents=True)
@@ -99,12 +101,29 @@ def test_slim_tree_leaves_out_the_bulk_and_brings_it_back(tmp_path):
            "GIT_COMMITTER_EMAIL": "t@t"}
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "cells"]):
         subprocess.run(cmd, cwd=g, env=env, check=True)
+    exclude = g / ".git" / "info" / "exclude"
+    exclude.write_text("/.whl/\n")
     on = subprocess.run(["bash", "runners/gpu/slim_tree.sh", "on"], cwd=g, capture_output=True, text=True)
     assert on.returncode == 0, on.stderr
     assert sorted(p.name for p in cell.iterdir()) == ["config.json", "metrics.json"]
     assert "3 raw files left out" in on.stdout
     assert subprocess.run(["git", "status", "--porcelain"], cwd=g, capture_output=True, text=True).stdout == ""
+
+    def untracked():
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=g,
+                             capture_output=True, text=True, check=True).stdout
+        return sorted(line[3:].rsplit("/", 1)[1] for line in out.splitlines())
+
+    new = g / "results" / "raw" / "sweep" / "system=sglang_default"  # unpacked between two calls
+    new.mkdir()
+    for n, b in files.items():
+        (new / n).write_bytes(b)
+    assert untracked() == ["config.json", "metrics.json"]
+    again = subprocess.run(["bash", "runners/gpu/slim_tree.sh", "on"], cwd=g, capture_output=True, text=True)
+    assert again.returncode == 0 and exclude.read_text().count("slim_tree.sh: untracked") == 1
     off = subprocess.run(["bash", "runners/gpu/slim_tree.sh", "off"], cwd=g, capture_output=True, text=True)
     assert off.returncode == 0, off.stderr
     assert {p.name: p.read_bytes() for p in cell.iterdir()} == files
+    assert untracked() == sorted(files)
+    assert exclude.read_text() == "/.whl/\n"
     assert subprocess.run(["bash", "runners/gpu/slim_tree.sh"], cwd=g, capture_output=True).returncode == 2
