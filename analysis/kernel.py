@@ -9,6 +9,14 @@ measured peaks (row ``peak_*``, else the cell's ``peaks.*`` from runners.kernel_
 larger fraction of (``compute`` or ``memory``): a measured utilisation, not a model. Rows
 without flops/bytes or peaks leave these blank ("not measured"), never estimated.
 
+``bytes`` counts what a backend must read (granikv.attention.bench.kv_bytes: paged reads the
+shared prefix once per request), not what DRAM served: where the requests of one launch read
+the same prefix pages, part of them comes from the L2 cache, and ``pct_peak_bw`` can pass 100
+(``above_hbm_peak``). The time is per call, in microseconds, so the dispatcher's per-step cost
+(``us_per_step``, kernel bench ``dispatch`` cells) reads in the same column. The calibration
+fit's rows (kind ``calibration_fit``: the per-point times copied from the calibration cells the
+fit read) are not repeated here.
+
 Writes tables/kernel.{csv,md} and figures/kernel_roofline.{png,pdf}.
 """
 from __future__ import annotations
@@ -24,7 +32,9 @@ from analysis.load import Results
 
 NAME = "kernel"
 FIGURES = ("kernel_roofline",)
-TIME_FIELDS = (("k.time_ms", 1.0), ("k.mean_ms", 1.0), ("k.median_ms", 1.0), ("k.ms", 1.0), ("k.time_us", 1e-3))
+TIME_FIELDS = (("k.time_ms", 1.0), ("k.mean_ms", 1.0), ("k.median_ms", 1.0), ("k.ms", 1.0), ("k.time_us", 1e-3),
+               ("k.us_per_step", 1e-3))
+DERIVED_KINDS = ("calibration_fit",)  # rows copied from other cells: left out of the table
 def _first(df: pd.DataFrame, names: tuple[str, ...]) -> pd.Series:
     out = pd.Series(np.nan, index=df.index, dtype=float)
     for n in names:
@@ -92,22 +102,31 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
             return t
         placeholder_figure("kernel_roofline", out, "no kernel.jsonl rows under the results folder")
         return t
+    if "cell.kind" in k.columns:
+        k = k[~k["cell.kind"].isin(DERIVED_KINDS)]
+    k = k.assign(time_us=1e3 * k["time_ms"], above_hbm_peak=k["pct_peak_bw"] > 100)
     keys = describe_columns(res, k)
-    agg = aggregate(k, keys, "time_ms")
+    agg = aggregate(k, keys, "time_us")
     for col in ("tflops", "tbps", "intensity", "peak_tflops", "peak_tbps", "pct_peak_flops", "pct_peak_bw"):
         agg = agg.merge(aggregate(k, keys, col)[keys + ["mean"]].rename(columns={"mean": col}), on=keys, how="left")
+    agg["above_hbm_peak"] = agg["pct_peak_bw"].gt(100).where(agg["pct_peak_bw"].notna())
     b = k[keys + ["bound"]].copy()
     b[keys] = b[keys].astype(object).where(b[keys].notna(), NULL)
     agg = agg.merge(b.drop_duplicates(keys), on=keys, how="left")
-    agg = agg.rename(columns={"mean": "time_ms_mean", "sd": "time_ms_sd", "min": "time_ms_min", "max": "time_ms_max"})
-    agg["bound"] = agg["bound"].fillna(NOT_MEASURED)
+    agg = agg.rename(columns={"mean": "time_us_mean", "sd": "time_us_sd", "min": "time_us_min", "max": "time_us_max"})
+    agg["bound"] = agg["bound"].fillna(NOT_MEASURED).where(agg["n"] == 0, agg["bound"].fillna(""))
     t = sort_rows(agg, keys)
-    write_table(t, NAME, out, {"time_ms_mean": 4, "time_ms_sd": 4, "time_ms_min": 4, "time_ms_max": 4, "tflops": 3,
+    write_table(t, NAME, out, {"time_us_mean": 2, "time_us_sd": 2, "time_us_min": 2, "time_us_max": 2, "tflops": 3,
                                "tbps": 3, "intensity": 1, "peak_tflops": 3, "peak_tbps": 3, "pct_peak_flops": 1,
                                "pct_peak_bw": 1},
                 title="Kernel mechanism: attention microbenchmark",
-                note="time per call (mean over repetitions); pct_peak_*: achieved share of the measured peaks; "
-                     "bound: the resource used the larger share of.")
+                note="time per call in microseconds (mean over repetitions; dispatch rows: the dispatcher's CPU time "
+                     "per step); pct_peak_*: achieved share of the measured peaks; bound: the resource used the "
+                     "larger share of (blank where the row carries no flops/bytes). bytes count what the backend "
+                     "must read (paged: the shared prefix once per request); above_hbm_peak: that count over the "
+                     "time passes the measured HBM peak, so part of it came from the L2 cache (requests of one "
+                     "launch reading the same prefix pages). calibration_fit rows (copies of the calibration "
+                     "cells' times) are not repeated.")
     if not figures:
         return t
     roofline(t, keys, out)

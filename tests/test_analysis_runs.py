@@ -102,6 +102,31 @@ def test_kernel_rows_and_steps(res, raw):
     assert "decisions.backend" in per_class.columns
 
 
+def test_kernel_table_times_every_measured_row_and_skips_the_fits_copies(raw, tmp_path):
+    """The dispatcher's per-step cost (us_per_step) is a measurement like any kernel time: the
+    kernel table shows it, never "not measured"; a calibration fit's rows (times copied from the
+    calibration cells) are not listed a second time."""
+    from analysis import kernel
+
+    root = tmp_path / "raw"
+    shutil.copytree(raw, root)
+    fit = root / "calibration" / "fit-tiny"
+    src = next(c for c in find_cells(root) if (c / "config.json").exists()
+               and read_json(c / "config.json").get("cell", {}).get("kind") == "dispatch")
+    cfg = read_json(src / "config.json")
+    write_json(fit / "config.json", {**cfg, "cell": {"cell_id": "fit-tiny", "kind": "calibration_fit"}})
+    (fit / "kernel.jsonl").write_text('{"meff": 4, "prefix_len": 64, "times": {"dense": 0.1, "paged": 0.2}}\n')
+    write_json(fit / "metrics.json", {"cell_id": "fit-tiny", "decision_table": [], "num_points": 1})
+    kernel.build(load_results(root), tmp_path / "out", figures=False)
+    t = pd.read_csv(tmp_path / "out" / "tables" / "kernel.csv", dtype=str, keep_default_na=False)
+    d = t[t["cell.kind"] == "dispatch"]
+    assert len(d) > 0 and (d["time_us_mean"].astype(float) > 0).all(), d
+    assert "not measured" not in set(t["bound"])
+    assert "calibration_fit" not in set(t["cell.kind"])
+    lay = t[t["cell.kind"] == "layout"]
+    assert len(lay) > 0 and set(lay["above_hbm_peak"]) <= {"yes", "no"} and (lay["bound"] != "").all()
+
+
 def _corrupt(raw: Path, tmp: Path, which: str):
     """A copy of the runner's folders with one cell changed; returns (root, the changed file)."""
     root = tmp / "raw"

@@ -121,11 +121,13 @@ def attention_flops(shape: Shape, batch: DecodeBatch) -> int:
 
 
 def kv_bytes(shape: Shape, batch: DecodeBatch, decisions: list[dict], elt: int) -> int:
-    """Minimum bytes a backend moves for one layer: K+V tokens it must read (+ q and o).
+    """Bytes a backend must read for one layer: the K+V tokens its algorithm reads (+ q and o).
 
     Per class: paged reads the prefix once per request; cascade / dense read it once;
     hydragen reads it, writes the scratch and reads the scratch (3x). Every request's own
-    slots are read once. Index bytes are not counted.
+    slots are read once. Index bytes are not counted. This is what the kernel asks for, not
+    what DRAM serves: requests of one launch that read the same prefix pages hit the L2 cache
+    for part of them, so bytes / time can pass the HBM peak (paged at small Lp).
     """
     tok = 2 * shape.hkv * shape.d * elt
     nnz = int(batch.kv_indptr[-1])
