@@ -5,6 +5,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
+# extra pip arguments for the torch install, e.g. TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu"
+# where the default index serves a CUDA build
+TORCH_INDEX ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help setup test smoke
@@ -16,7 +19,7 @@ setup: $(STAMP) ## Create .venv: torch==2.13.0 (CPU build) first, then the proje
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q $(TORCH_PIN)
+	$(BIN)/python -m pip install -q $(TORCH_PIN) $(TORCH_INDEX)
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
@@ -35,7 +38,7 @@ RESULTS_RAW ?= results/raw
 RESULTS_OUT ?= results
 .PHONY: reproduce tables figures
 
-reproduce: setup ## Regenerate results/tables, results/figures and results/REPORT.md from results/raw (CPU only, minutes)
+reproduce: setup ## Regenerate results/tables, results/figures and results/REPORT.md from results/raw (CPU only, ~40 s after setup)
 	$(BIN)/python -m analysis.reproduce --results $(RESULTS_RAW) --out $(RESULTS_OUT)
 
 tables: setup ## Regenerate only results/tables (CSV + Markdown) and results/REPORT.md, no figures

@@ -110,13 +110,21 @@ def merge_preset(c: dict, tool: str) -> dict:
     """The ``presets[<hardware name>]`` entry overlaid with every non-null top-level key.
 
     ``hardware`` is the conf/hardware group option Hydra composed; its ``name`` picks the preset.
-    Shared by kernel_bench and calibrate.
+    A hardware option without a preset of its own (a copy of h200.yaml for another GPU) takes the
+    first preset for its ``device`` (cuda: the H200's shapes and grid, which do not depend on
+    the GPU). ``hardware`` in the result stays the option's own name, so calibrate writes the
+    fitted table into that option's file. Shared by kernel_bench and calibrate.
     """
     presets = c.pop("presets", {})
-    hw = c.pop("hardware")["name"]
-    if hw not in presets:
-        raise ValueError(f"{tool}.hardware: '{hw}' has no preset; choose one of {sorted(presets)}")
-    merged = {**presets[hw], "hardware": hw}
+    hw_cfg = c.pop("hardware")
+    hw = hw_cfg["name"]
+    key = hw if hw in presets else next((n for n, p in presets.items() if p.get("device") == hw_cfg.get("device")), None)
+    if key is None:
+        raise ValueError(f"{tool}.hardware: '{hw}' (device {hw_cfg.get('device')!r}) has no preset and no preset "
+                         f"for its device; add presets.{hw} to conf/{tool}.yaml or choose one of {sorted(presets)}")
+    if key != hw:
+        print(f"[{tool}] hardware '{hw}' has no preset of its own: using presets.{key} (device {hw_cfg.get('device')})")
+    merged = {**presets[key], "hardware": hw}
     for k, v in c.items():
         if v is not None or k not in merged:
             merged[k] = v

@@ -71,3 +71,21 @@ def test_kernel_bench_cascade_composed_variant(tmp_path):
     rows = rawio.read_jsonl(tmp_path / "kernel" / "t-lp16-b4-k1" / "kernel.jsonl")
     assert [r["backend"] for r in rows] == ["cascade", "cascade_composed"]
     assert all(r["max_abs_err"] < 1e-5 and r["time_ms"] > 0 for r in rows)
+
+
+def test_a_copied_hardware_option_takes_its_devices_preset_and_keeps_its_name(capsys):
+    """conf/hardware/<mygpu>.yaml copied from h200.yaml: kernel_bench and calibrate run it with the
+    cuda preset (shapes and grid do not depend on the GPU) under its own name, so calibrate writes
+    the fitted table into <mygpu>.yaml; a device no preset covers is refused with the fix named."""
+    from runners.kernel_bench import merge_preset
+
+    presets = {"cpu": {"device": "cpu", "shapes": [{"name": "a", "hq": 8, "hkv": 2, "d": 16}], "reps": 3},
+               "h200": {"device": "cuda", "shapes": [{"name": "b", "hq": 32, "hkv": 8, "d": 128}], "reps": 20}}
+    own = merge_preset({"presets": presets, "hardware": {"name": "h200", "device": "cuda"}, "reps": None}, "kb")
+    assert own["hardware"] == "h200" and own["reps"] == 20 and own["shapes"][0].name == "b"
+    assert "no preset of its own" not in capsys.readouterr().out
+    mine = merge_preset({"presets": presets, "hardware": {"name": "l40s", "device": "cuda"}, "reps": 5}, "kb")
+    assert mine["hardware"] == "l40s" and mine["reps"] == 5 and mine["shapes"][0].name == "b"
+    assert "using presets.h200" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"presets\.tpu1 to conf/kb\.yaml"):
+        merge_preset({"presets": presets, "hardware": {"name": "tpu1", "device": "xla"}}, "kb")
