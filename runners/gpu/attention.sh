@@ -7,8 +7,8 @@
 # results/raw/{kernel,calibration,attention_gpu} and conf/hardware/h200.yaml, which then travel as
 # untracked files) and `mkdir -p .fi_cache/parts && cp <files_at>/fi_cache.tar.xz.part-* .fi_cache/parts/`.
 #
-# Each call: (1) sets up FlashInfer 0.7.2.post1 + apache-tvm-ffi + hydra from carried files into
-# .gpu_site/site (once per machine), restores the FlashInfer JIT cache from .fi_cache/parts/ if
+# Each call: (1) sets up FlashInfer 0.7.2.post1 + apache-tvm-ffi from carried files into
+# .gpu_site/site (once per machine; hydra comes unpacked in .gpu_site/py, runners/gpu/env.sh), restores the FlashInfer JIT cache from .fi_cache/parts/ if
 # present; (2) `pytest -m gpu tests/test_attention*.py` (skipped once a passing run is recorded);
 # (3) runners.calibrate hardware=h200 -> conf/hardware/h200.yaml `decision_table` (first, so that
 # (4) runners.kernel_bench hardware=h200 dispatches with the fitted table (calibrated shapes: also Qwen2.5-32B@TP4
@@ -19,6 +19,10 @@
 #   fi_cache.tar.xz.part-aa..  the JIT cache (<15 MB parts; put them in .fi_cache/parts/ for the next call)
 # Steps 3-4 stop starting new cells when the call's time budget runs out; cells already done are
 # skipped on the next call (carry results/raw/... back). A summary table is printed at the end.
+# Knobs (environment): GRANIKV_RERUN_TESTS=1 reruns the GPU tests after a recorded pass,
+# GRANIKV_RECALIBRATE=1 recalibrates over an existing fitted table, GRANIKV_KB_WITHOUT_TABLE=1 runs
+# kernel_bench before the table is fitted, GRANIKV_NCU=false skips the ncu profiles, and the time
+# budget of runners/gpu/env.sh (GRANIKV_BUDGET_S, GRANIKV_PACK_RESERVE_S).
 set -uo pipefail
 T0=$(date +%s)
 GPU_LOG_TAG=attention.sh

@@ -24,7 +24,8 @@
 #
 # Knobs (environment): GRANIKV_ENGINE_OUT (default results/raw/engine_bench), GRANIKV_TP=2 runs under torchrun with 2 ranks (the nvidia-h200-x2 kind),
 # GRANIKV_ENGINE_MODEL=qwen25_14b (default llama3_8b), GRANIKV_ENGINE_BENCH_ARGS="..." adds
-# arguments (e.g. "--systems sglang_default,granikv --cuda-graph-max-bs 0").
+# arguments (e.g. "--systems sglang_default,granikv --cuda-graph-max-bs 0"), GRANIKV_SKIP_GPU_TESTS=1 skips
+# the engine GPU tests, GRANIKV_BUDGET_S / GRANIKV_PACK_RESERVE_S the time budget (runners/gpu/env.sh).
 set -uo pipefail
 T0=$(date +%s)
 GPU_LOG_TAG=engine.sh

@@ -5,9 +5,12 @@
 #   .gpu_site/flashinfer-0.7.2.post1.tar.xz   FlashInfer (python package tree), extracted into .gpu_site/site
 #   .whl/apache_tvm_ffi-*.whl                  installed --no-deps into .gpu_site/site
 #   .fi_cache/parts/fi_cache.tar.xz.part-*     the FlashInfer JIT cache (restored when present)
+#   .gpu_site/py/                              pure-Python wheels unpacked (hydra, omegaconf), put on PYTHONPATH
 # and exports PY, PYTHONPATH, FLASHINFER_WORKSPACE_BASE, OUT, the NCCL settings of the host, and
 # helpers: log, left (seconds left of BUDGET_S minus PACK_RESERVE_S), pack_fi_cache MAX_PARTS.
-# Same steps as runners/gpu/attention.sh's environment section (ATTN), shared so they cannot drift.
+# Reads: GRANIKV_BUDGET_S (540), GRANIKV_PACK_RESERVE_S (60), GRANIKV_GIT_COMMIT / GRANIKV_GIT_DIRTY
+# (the provenance the cells record: the device copy's .git may be stale; provenance_env.sh prints them),
+# GRANIKV_ENV_CPU_TEST (the CPU test of this file), PYTHON, OUT ($PWD/.out when unset).
 T0=${T0:-$(date +%s)}
 BUDGET_S=${GRANIKV_BUDGET_S:-540}
 PACK_RESERVE_S=${GRANIKV_PACK_RESERVE_S:-60}

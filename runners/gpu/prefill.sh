@@ -6,7 +6,9 @@
 #
 # MODEL:TP[:ALLREDUCE]. Default: llama3_8b:1 qwen25_14b:1 qwen25_14b:2 qwen25_14b:2:symm_one_shot
 # (TP=2 needs 2 GPUs; skipped, with a note, on one).
-# Packs results/raw/prefill_host into $OUT/prefill_host.tar.gz (untar in the repo root, commit).
+# Packs results/raw/prefill_host into $OUT/prefill_host.tar.gz (untar in the repo root, commit), and
+# writes $OUT/prefill.log and the FlashInfer JIT cache parts ($OUT/fi_cache.tar.xz.part-*; not with
+# GRANIKV_NO_FI_PACK=1, when a later script of the call packs it).
 set -uo pipefail
 T0=$(date +%s)
 GPU_LOG_TAG=prefill.sh

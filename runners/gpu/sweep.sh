@@ -5,14 +5,25 @@
 #       timeout_s=600, carry=[".gpu_site", ".whl", ".fi_cache"])
 #   (2 GPUs: GRANIKV_TP=2 ... sweep.sh headline_qwen25_14b, on the nvidia-h200-x2 kind)
 #
-# Runs `python -m runners.run -m sweep=<preset> <overrides>` for each preset until the call's time
-# budget (GRANIKV_BUDGET_S, default 540 s) is spent. Cells already holding metrics.json are skipped
-# (carried back in results/raw), and a cell cut off by the budget leaves no metrics.json, so the
-# next round resumes where this one stopped. Packs into $OUT:
-#   raw.tar.gz.part-*        every cell folder written or changed in this call (<= 14 MB parts;
-#                            raw2.tar.gz.part-*, ... when sweep.sh runs again in the same call)
+# First the engine GPU gate (tests/test_engine_gpu.py: fused ops, engine vs the no-cache reference,
+# memory rules; log in $OUT/fused_check.log): if it fails or skips, nothing is measured, and
+# $OUT/.gate_failed stops any later sweep.sh of the same call. Then runs
+# `python -m runners.run -m sweep=<preset> <overrides>` for each preset within the call's time
+# budget: GRANIKV_BUDGET_S (default 540 s) less GRANIKV_PACK_RESERVE_S (default 60 s, kept for
+# packing), measured from this script's start; a preset is not started with less than 60 s left.
+# Cells already holding metrics.json are skipped (carried back in results/raw), and a cell cut off
+# by the budget leaves no metrics.json, so the next round resumes where this one stopped.
+# Packs into $OUT:
+#   raw.tar.gz.part-*        every cell folder that got a metrics.json or failure.json in this call
+#                            (<= 14 MB parts; raw2.tar.gz.part-*, ... when sweep.sh runs again in the
+#                            same call)
 #   sweep.log                the full log
 #   fi_cache.tar.xz.part-*   the FlashInfer JIT cache for the next call (put in .fi_cache/parts/)
+#
+# Knobs (environment): GRANIKV_TP (ranks, torchrun above 1), GRANIKV_BUDGET_S, GRANIKV_PACK_RESERVE_S,
+# GRANIKV_GPU_SPLIT (below), GRANIKV_SKIP_FUSED_CHECK=1 (skip the gate: only on a warm machine that
+# passed it at the same commit), GRANIKV_NO_FI_PACK=1 (a later script of the call packs the JIT cache),
+# GRANIKV_NGPU (the GPU count, for the CPU tests of this script only).
 # Here: `for r in <files_at>/raw*.tar.gz.part-aa; do cat ${r%aa}* | tar -xz; done` in the repo root,
 # then commit results/raw.
 #

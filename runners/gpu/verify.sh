@@ -13,7 +13,8 @@
 #   verify_results.tar.gz   results/raw/{attention_gpu,engine_gpu_tests,kernel/dispatch_cost}
 #   fi_cache.tar.xz.part-*  the JIT cache (with the fused-op modules; put them in .fi_cache/parts/)
 # GRANIKV_VERIFY_THEN="bash runners/gpu/engine.sh" (with GRANIKV_SKIP_GPU_TESTS=1) chains the
-# engine measurement in the same call; it then packs the cache itself.
+# engine measurement in the same call; it then packs the cache itself. GRANIKV_VERIFY_TEST_LIMIT_S
+# (default 330) limits each of the two test runs.
 set -uo pipefail
 T0=$(date +%s)
 GPU_LOG_TAG=verify.sh
