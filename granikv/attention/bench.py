@@ -127,7 +127,8 @@ def kv_bytes(shape: Shape, batch: DecodeBatch, decisions: list[dict], elt: int) 
     hydragen reads it, writes the scratch and reads the scratch (3x). Every request's own
     slots are read once. Index bytes are not counted. This is what the kernel asks for, not
     what DRAM serves: requests of one launch that read the same prefix pages hit the L2 cache
-    for part of them, so bytes / time can pass the HBM peak (paged at small Lp).
+    for part of them, so bytes / time can pass the measured bandwidth peak (paged over a
+    shared prefix).
     """
     tok = 2 * shape.hkv * shape.d * elt
     nnz = int(batch.kv_indptr[-1])
