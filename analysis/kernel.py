@@ -14,7 +14,7 @@ shared prefix once per request), not what DRAM served, and the bandwidth peak is
 device-to-device copy's (read + write), so ``pct_peak_bw`` can pass 100 (``above_hbm_peak``):
 by a few percent for a read-only stream (paged over per-request copies), by far where
 the requests of one launch read the same prefix pages and part of them come from the L2 cache
-(paged over a shared prefix: up to 211%). The time is per call, in microseconds, so the dispatcher's per-step cost
+(paged over a shared prefix). The time is per call, in microseconds, so the dispatcher's per-step cost
 (``us_per_step``, kernel bench ``dispatch`` cells) reads in the same column. The calibration
 fit's rows (kind ``calibration_fit``: the per-point times copied from the calibration cells the
 fit read) are not repeated here.
