@@ -106,7 +106,7 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
         return t
     if "cell.kind" in k.columns:
         k = k[~k["cell.kind"].isin(DERIVED_KINDS)]
-    k = k.assign(time_us=1e3 * k["time_ms"], above_hbm_peak=k["pct_peak_bw"] > 100)
+    k = k.assign(time_us=1e3 * k["time_ms"])
     keys = describe_columns(res, k)
     agg = aggregate(k, keys, "time_us")
     for col in ("tflops", "tbps", "intensity", "peak_tflops", "peak_tbps", "pct_peak_flops", "pct_peak_bw"):

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Keep the working tree that travels to the GPU host under its size limit (the device tool sends
 # tracked files, 64 MiB in all with the carried FlashInfer files): `on` leaves the per-cell bulk
-# (requests/steps/workload traces and profiler trace.json.gz) out of this checkout through git's sparse checkout, keeping every
-# config.json and metrics.json, which is all a resumable sweep needs to skip finished cells.
+# (requests/steps/workload traces and profiler trace.json.gz) out of this checkout through git's
+# sparse checkout, keeping every config.json and metrics.json, which is all a resumable sweep
+# needs to skip finished cells.
 # The same traces of cells not yet committed (unpacked between two device calls) are listed in
 # .git/info/exclude while `on` holds, so they stay here but do not travel either.
 # `off` brings everything back. Nothing is deleted from git or from disk. Run `off` before
