@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 SYSTEMS = ("sglang_default", "sglang_cascade", "hydragen", "granikv")
+ENGINES = ("granikv", "sglang")   # who serves a cell: our compact engine, or a real SGLang server
 BACKENDS = ("paged", "cascade", "hydragen", "granikv")
 DISPATCH = ("table", "dense_only", "cascade_only", "paged_only")
 CASCADE_IMPLS = ("multilevel", "composed")   # backend=cascade, GPU path (see SystemConfig.cascade_impl)
@@ -55,6 +56,42 @@ class ModelConfig:
 
 
 @dataclass
+class ServerConfig:
+    """How a real serving engine is started and driven (``system.engine=sglang``; see granikv.serving).
+
+    The server gets the cell's model (a ``config.json`` written from ``conf/model``; dummy weights),
+    TP, ``--max-running-requests`` = B and the hardware preset's ``mem_fraction``,
+    ``cuda_graph_max_bs``, ``chunked_prefill_size`` (and ``kv_budget_tokens`` as
+    ``--max-total-tokens`` when the preset fixes one)."""
+
+    launcher: str = "sglang.launch_server"   # python -m <launcher>; tests point it at a fake server
+    attention_backend: str = "flashinfer"    # SGLang's --attention-backend (fa3 is its Hopper default; needs the full kernel wheel)
+    host: str = "127.0.0.1"
+    port: int = 0                            # 0 = a free port picked at start
+    start_timeout_s: float = 900.0           # launch -> /health_generate answers 200 (SGLang captures prefill graphs for ~4 min)
+    request_timeout_s: float = 3600.0        # one replay (warm-up or measured), first send -> last token
+    # streamed chunks carry only the new token ids (--incremental-streaming-output): without it every chunk
+    # repeats the whole output so far, O(n^2) JSON for the server's HTTP process and the client
+    incremental_streaming: bool = True
+    decode_log_interval: int = 40            # SGLang's default: one "Decode batch" log line (steps.jsonl) every 40 steps
+    extra_args: list[str] = field(default_factory=list)   # appended verbatim to the server's command line
+
+    def __post_init__(self):
+        _need(bool(self.launcher) and all(p.isidentifier() for p in self.launcher.split(".")),
+              "system.server.launcher", f"'{self.launcher}' is not a python module path (e.g. sglang.launch_server)")
+        _need(0 <= int(self.port) < 65536, "system.server.port", "must be in [0, 65535] (0 = pick a free port)")
+        for k in ("start_timeout_s", "request_timeout_s"):
+            _need(getattr(self, k) > 0, f"system.server.{k}", "must be > 0 seconds")
+        _need(self.decode_log_interval >= 1, "system.server.decode_log_interval", "must be >= 1")
+        owned = {"--model-path", "--tp-size", "--tp", "--port", "--host", "--max-running-requests",
+                 "--attention-backend", "--mem-fraction-static", "--cuda-graph-max-bs", "--chunked-prefill-size",
+                 "--load-format", "--skip-tokenizer-init", "--max-total-tokens", "--random-seed"}
+        clash = sorted(a.split("=")[0] for a in self.extra_args if a.split("=")[0] in owned)
+        _need(not clash, "system.server.extra_args", f"{clash} are set from the cell's config; change the "
+              "config key instead (model, tp, workload.batch, hardware.*, system.server.*)")
+
+
+@dataclass
 class SystemConfig:
     """A system under test: storage layout x prefix-attention backend x dispatch policy."""
 
@@ -66,8 +103,17 @@ class SystemConfig:
     # backend=cascade only, GPU path: multilevel = FlashInfer's MultiLevelCascadeAttentionWrapper;
     # composed = batch prefill over the common prefix + tensor-core decode of the rest + merge
     cascade_impl: str = "multilevel"
+    engine: str = "granikv"           # granikv = our compact engine | sglang = a real SGLang server (system.server)
+    server: Optional[ServerConfig] = None   # engine=sglang only
 
     def __post_init__(self):
+        _need(self.engine in ENGINES, "system.engine", f"'{self.engine}' not in {ENGINES}")
+        _need((self.server is not None) == (self.engine != "granikv"), "system.server",
+              "is set exactly when system.engine names a server engine (engine=sglang needs a `server:` "
+              "block, engine=granikv none)")
+        _need(self.engine == "granikv" or self.backend == "paged", "system.backend",
+              f"engine={self.engine} runs the server's own attention (system.server.attention_backend); "
+              "set backend=paged")
         _need(self.backend in BACKENDS, "system.backend", f"'{self.backend}' not in {BACKENDS}")
         _need(self.cascade_impl in CASCADE_IMPLS, "system.cascade_impl", f"'{self.cascade_impl}' not in {CASCADE_IMPLS}")
         _need(self.cascade_impl == "multilevel" or self.backend == "cascade", "system.cascade_impl",

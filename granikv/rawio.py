@@ -161,8 +161,36 @@ def _concurrent_sweeps() -> int:
     return int(raw)
 
 
-def provenance() -> dict:
-    """Where and with what a result was produced: git commit, host, GPU, driver, versions, time."""
+def _nvml_gpus() -> tuple[str | None, int, str | None]:
+    """(name of GPU 0, count, driver) from NVML, without a CUDA context; (None, 0, None) without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        n = pynvml.nvmlDeviceGetCount()
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0)) if n else None
+        drv = pynvml.nvmlSystemGetDriverVersion()
+        dec = (lambda x: x.decode() if isinstance(x, bytes) else x)
+        return dec(name), int(n), dec(drv)
+    except Exception:  # noqa: BLE001 - no NVML (CPU machines)
+        return None, 0, None
+
+
+def _version(dist: str) -> str | None:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def provenance(cuda_probe: bool = True) -> dict:
+    """Where and with what a result was produced: git commit, host, GPU, driver, versions, time.
+
+    ``cuda_probe=False`` reads the GPUs through NVML instead of torch.cuda, so the calling process
+    creates no CUDA context (a server cell's client: the server owns the GPU memory). ``sglang`` is
+    the version importable here (a server cell's config.json adds the server's own)."""
     import torch
 
     import granikv
@@ -174,7 +202,9 @@ def provenance() -> dict:
     except Exception:  # noqa: BLE001 - absent on CPU machines
         fi_version = None
     gpu_name, gpu_count, driver = None, 0, None
-    if torch.cuda.is_available():
+    if not cuda_probe:
+        gpu_name, gpu_count, driver = _nvml_gpus()
+    elif torch.cuda.is_available():
         gpu_count = torch.cuda.device_count()
         gpu_name = torch.cuda.get_device_name(0)
         try:
@@ -204,6 +234,8 @@ def provenance() -> dict:
         "git_commit": commit or "unknown",
         "git_dirty": dirty,
         "git_commit_source": source,
+        "git_dirty_files": os.environ.get("GRANIKV_GIT_DIRTY_FILES", "").split(",") if source == "GRANIKV_GIT_COMMIT"
+        and os.environ.get("GRANIKV_GIT_DIRTY_FILES") else None,
         "git_head_seen": head or None,
         "hostname": socket.gethostname(),
         "gpu_name": gpu_name,
@@ -218,6 +250,7 @@ def provenance() -> dict:
         "cuda": torch.version.cuda,
         "torch": torch.__version__,
         "flashinfer": fi_version,
+        "sglang": _version("sglang"),
         "granikv": granikv.__version__,
         "python": platform.python_version(),
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -49,3 +49,12 @@ class RequestRecord:
     @property
     def finish_s(self) -> float:
         return self.token_times_s[-1]
+
+
+@dataclass
+class RunResult:
+    """What one ``run()`` of an engine or a server session produced (warm-up excluded)."""
+
+    records: list[RequestRecord]
+    steps: list[dict]
+    stats: dict = field(default_factory=dict)

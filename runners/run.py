@@ -227,6 +227,11 @@ def check_world(rc: RunConfig) -> int:
 
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if rc.system.engine != "granikv":   # a server runs its own TP ranks: one client process drives it
+        if world != 1:
+            raise ConfigError(f"config error at `system.engine`: engine={rc.system.engine} starts its own "
+                              f"tp={rc.tp} ranks; run this cell in one process (no torchrun)")
+        return 1
     if world != rc.tp:
         raise ConfigError(f"config error at `tp`: tp={rc.tp} but {world} process(es) run this cell; launch "
                           f"tp>1 as `torchrun --nproc_per_node={rc.tp} -m runners.run ...` (tp=1 without torchrun)")
@@ -292,7 +297,16 @@ def _barrier() -> None:
 
 
 # ---------------------------------------------------------------- one cell
+def _is_server(config: dict) -> bool:
+    return str(((config or {}).get("system") or {}).get("engine", "granikv")) != "granikv"
+
+
 def default_engine(rc: RunConfig):
+    """Our compact engine, or for ``system.engine=sglang`` a real SGLang server (granikv.serving)."""
+    if rc.system.engine == "sglang":
+        from granikv.serving.session import ServerEngine
+
+        return ServerEngine(rc)
     from granikv.engine.engine import Engine
 
     return Engine(rc)
@@ -367,10 +381,11 @@ def run_cell(cfg: DictConfig | RunConfig, overrides: list[str], multirun: bool =
 
 
 def _fail(cell: Path, e: BaseException, config: dict, kind: str = "exception") -> None:
+    details = e.details() if callable(getattr(e, "details", None)) else {}   # a server's log lines
     rawio.write_json(cell / "failure.json", {
         "error": f"{type(e).__name__}: {e}", "kind": kind,
         "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
-        "config": config, "provenance": rawio.provenance()})
+        "config": config, "provenance": rawio.provenance(cuda_probe=not _is_server(config)), **details})
     print(f"[runners.run] FAILED {cell}: {type(e).__name__}: {e}", file=sys.stderr)
 
 
@@ -382,13 +397,19 @@ def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], e
     from granikv.telemetry import ENV_GUARD, NvmlSampler, StepProfiler, nsys_path
 
     lead = rank == 0
+    server = rc.system.engine != "granikv"
     if lead:
         for stale in ("metrics.json", "failure.json"):
             (cell / stale).unlink(missing_ok=True)
-        rawio.write_json(cell / "config.json", {**config, "provenance": rawio.provenance()})
         rawio.write_jsonl(cell / "workload.jsonl", workloads.trace_rows(requests))
-    engine = engine_factory(rc)
-    prof = StepProfiler(cell / "trace.json.gz", rc.profile_steps if lead else 0, cuda=rc.hardware.device == "cuda")
+    engine = engine_factory(rc)           # a server cell starts (or reuses) its server here
+    if lead:   # after the engine: a server cell's provenance names the server's version and arguments
+        extra = engine.provenance() if callable(getattr(engine, "provenance", None)) else {}
+        rawio.write_json(cell / "config.json", {**config, "provenance": {**rawio.provenance(cuda_probe=not server),
+                                                                         **extra}})
+    # no CUDA context in a server cell's client process: the server owns the GPU memory
+    prof = StepProfiler(cell / "trace.json.gz", rc.profile_steps if lead else 0,
+                        cuda=rc.hardware.device == "cuda" and not server)
     prof.prime()   # the profiler's one-time start-up before the run, not between two measured steps
     total = sum(r.output_len for r in requests)
     with tqdm(total=total, unit="tok", desc=cell.name[:48], mininterval=0.5, leave=False, disable=not lead) as bar, \
@@ -408,6 +429,8 @@ def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], e
         prof.finish()
     if not lead:
         return
+    if callable(getattr(engine, "log_tail", None)):   # a server cell keeps the end of the server's log
+        (cell / "server_log_tail.txt").write_text("\n".join(engine.log_tail()) + "\n")
     rawio.write_jsonl(cell / "requests.jsonl", _request_rows(requests, result.records), compress=True)
     rawio.write_jsonl(cell / "steps.jsonl", result.steps, compress=True)
     m = metrics_mod.summarize(result.records, result.steps, result.stats)

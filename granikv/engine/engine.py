@@ -23,7 +23,6 @@ import itertools
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -35,18 +34,10 @@ from granikv.engine.runner import ModelRunner
 from granikv.engine.scheduler import Scheduler, Seq, Storage, check_fits
 from granikv.engine.systems import build_backend, validate
 from granikv.kv import KVCache
-from granikv.request import Request, RequestRecord
+from granikv.request import Request, RequestRecord, RunResult  # noqa: F401 - RunResult: engine.RunResult
+from granikv.workloads import warmup_requests
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class RunResult:
-    """What one ``Engine.run`` produced (warm-up excluded)."""
-
-    records: list[RequestRecord]
-    steps: list[dict]
-    stats: dict = field(default_factory=dict)
 
 
 STALE_GPU_BYTES = 2 << 30   # allocated beyond this engine's own tensors at budget time: an earlier engine's
@@ -114,17 +105,6 @@ def graph_rest_capacity(graph_sizes: list[int], max_position_embeddings: int, po
     if not graph_sizes:
         return None
     return max(graph_sizes) * min(int(max_position_embeddings), int(pool_tokens))
-
-
-def warmup_requests(requests: list[Request], n: int, max_len: int | None = None) -> list[Request]:
-    """The warm-up pass: the first ``n`` requests (prompts and prefixes as measured), all at t=0, with
-    staggered output lengths n+1, n, ..., 2 (the first token comes from prefill): the decode batch is
-    n, n-1, ..., 1, one request finishing per step, so one pass of n steps JIT-compiles the kernels and captures the CUDA graph of every padded batch
-    size (and single-class dispatch choice) the measured run can meet, instead of replaying the
-    workload's long tail (a ShareGPT tail runs ~1,800 steps at tiny batch)."""
-    base = requests[:n]
-    cap = (lambda r: max_len - len(r.prompt_ids)) if max_len else (lambda r: len(base) + 1)
-    return [replace(r, arrival_s=0.0, output_len=max(1, min(len(base) + 1 - i, cap(r)))) for i, r in enumerate(base)]
 
 
 class Engine:

@@ -8,6 +8,7 @@ regenerated trace can be checked against the saved one.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 from granikv.config import RunConfig
 from granikv.request import Request
@@ -46,3 +47,14 @@ def trace_rows(requests: list[Request]) -> list[dict]:
              "shared_len": r.shared_len, "prefix_class": r.prefix_class,
              "output_len": r.output_len, "prompt_sha1": prompt_sha1(r.prompt_ids)}
             for r in requests]
+
+
+def warmup_requests(requests: list[Request], n: int, max_len: int | None = None) -> list[Request]:
+    """The warm-up pass: the first ``n`` requests (prompts and prefixes as measured), all at t=0, with
+    staggered output lengths n+1, n, ..., 2 (the first token comes from prefill): the decode batch is
+    n, n-1, ..., 1, one request finishing per step, so one pass of n steps JIT-compiles the kernels and captures the CUDA graph of every padded batch
+    size (and single-class dispatch choice) the measured run can meet, instead of replaying the
+    workload's long tail (a ShareGPT tail runs ~1,800 steps at tiny batch)."""
+    base = requests[:n]
+    cap = (lambda r: max_len - len(r.prompt_ids)) if max_len else (lambda r: len(base) + 1)
+    return [replace(r, arrival_s=0.0, output_len=max(1, min(len(base) + 1 - i, cap(r)))) for i, r in enumerate(base)]

@@ -8,5 +8,7 @@
 # provenance() takes these variables over git when they are set.
 cd "$(dirname "$0")/../.." || exit 2
 C=$(git rev-parse HEAD) || exit 2
-if [ -z "$(git status --porcelain -- . ':(exclude)results')" ]; then D=false; else D=true; fi
-echo "export GRANIKV_GIT_COMMIT=$C GRANIKV_GIT_DIRTY=$D"
+CHANGED=$(git status --porcelain -- . ':(exclude)results' | awk '{print $NF}' | sort | tr '\n' ',' | sed 's/,$//')
+if [ -z "$CHANGED" ]; then D=false; else D=true; fi
+# GRANIKV_GIT_DIRTY_FILES: which paths differ from the commit (recorded in each cell's provenance)
+echo "export GRANIKV_GIT_COMMIT=$C GRANIKV_GIT_DIRTY=$D${CHANGED:+ GRANIKV_GIT_DIRTY_FILES=$CHANGED}"

@@ -34,11 +34,22 @@
 # runs one sweep per '|'-separated part, part i on GPU i (CUDA_VISIBLE_DEVICES=i), each with the
 # common overrides plus its part; logs sweep.gpu<i>.log. Each cell's provenance records
 # cuda_visible_devices and concurrent_sweeps (the number of parts), so the analysis can tell them apart.
+#
+# GRANIKV_ENGINE=sglang: cells of a real SGLang server (system=sglang_server): runners/gpu/sglang.sh
+# installs the staged wheel set, and its gate (a server started or reused, 16 requests served through
+# the measuring path) replaces the engine GPU gate; no FlashInfer bundle or JIT cache is needed.
 set -uo pipefail
 T0=$(date +%s)
 GPU_LOG_TAG=sweep.sh
 source "$(dirname "$0")/env.sh"
-gpu_env_setup || exit 2
+ENGINE=${GRANIKV_ENGINE:-granikv}
+if [ "$ENGINE" = sglang ]; then
+  source "$(dirname "$0")/sglang.sh"
+  [ -n "${GRANIKV_ENV_CPU_TEST:-}" ] || sglang_env_setup || exit 2
+  GRANIKV_SKIP_FUSED_CHECK=1 GRANIKV_NO_FI_PACK=1
+else
+  gpu_env_setup || exit 2
+fi
 PRESETS=(); EXTRA=()
 while [ $# -gt 0 ]; do
   if [ "$1" = "--" ]; then shift; EXTRA=("$@"); break; fi
@@ -75,6 +86,9 @@ if [ -z "${GRANIKV_SKIP_FUSED_CHECK:-}" ]; then
     echo "rc=$RC, see fused_check.log" > "$OUT/.gate_failed"
     log "engine GPU check rc=$RC (or skipped): nothing measured (see fused_check.log)"; pack_fi_cache 3; exit 3
   fi
+fi
+if [ "$ENGINE" = sglang ] && [ -z "${GRANIKV_ENV_CPU_TEST:-}" ] && [ -z "${GRANIKV_SKIP_SGLANG_GATE:-}" ]; then
+  sglang_gate || { echo "sglang gate" > "$OUT/.gate_failed"; exit 3; }
 fi
 MARK=$(mktemp); touch "$MARK"; sleep 1
 LAUNCH="$PY -m runners.run"

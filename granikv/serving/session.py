@@ -1,0 +1,120 @@
+"""ServerEngine: a cell served by a real SGLang server, shaped like our Engine (``run -> RunResult``).
+
+    engine = ServerEngine(rc)            # acquires the server (granikv.serving.server.POOL)
+    result = engine.run(requests)        # warm-up, flush, measured replay; records + SGLang's steps
+    engine.provenance()                  # {"sglang": version, "engine": {argv, server args, versions}}
+
+The run matches our engine's: the warm-up pass serves the first ``warmup_requests`` requests all
+at t=0 with staggered output lengths (granikv.workloads.warmup_requests, not measured), the radix
+cache is flushed before and after it, and the measured replay starts from an empty cache with the
+trace's own arrivals. Every request must come back with exactly its ``output_len`` tokens; a short
+answer, an error or a dead server raises ServerError naming the server's log lines. ``steps`` are
+SGLang's logged prefill and decode batches of the measured window (granikv.serving.sglang_log).
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from granikv.config import RunConfig
+from granikv.request import Request, RunResult
+from granikv.serving.client import Replay, ReplayClient, ReplayError
+from granikv.serving.server import POOL, ServerError, ServerPool, server_spec
+from granikv.serving.sglang_log import parse_steps
+from granikv.workloads import warmup_requests
+
+# /server_info keys kept in provenance.engine.server_info (the rest is per-request internal state)
+INFO_DROP = ("internal_states",)
+VERSION_PACKAGES = ("sglang", "sglang-kernel", "flashinfer-python", "torch", "transformers")
+
+
+class ServerEngine:
+    """One cell on a real server: acquire (start or reuse), then ``run`` like granikv's Engine."""
+
+    def __init__(self, cfg: RunConfig, pool: Optional[ServerPool] = None):
+        self.cfg = cfg
+        self.spec = server_spec(cfg)
+        self.server = (pool or POOL).acquire(self.spec)
+        self.info = self.server.info()
+
+    def provenance(self) -> dict:
+        """What config.json's provenance adds for a server cell: the engine, its version and args."""
+        info = {k: v for k, v in self.info.items() if k not in INFO_DROP}
+        return {"sglang": self.info.get("version"),
+                "engine": {"name": "sglang", "version": self.info.get("version"),
+                           "argv": [*self.spec.argv, "--host", self.spec.host, "--port", str(self.server.port)],
+                           "env": dict(self.spec.env), "pid": self.server.pid, "adopted": self.server.adopted,
+                           "start_s": self.server.started_s, "packages": server_packages(self.spec),
+                           "server_info": info}}
+
+    def _replay(self, client: ReplayClient, requests: list[Request], what: str) -> Replay:
+        try:
+            rep = client.replay(requests)
+        except ReplayError as e:
+            raise self.server.error(f"{what}: {e}") from e
+        if not self.server.alive():
+            raise self.server.error(f"{what}: the server died during the replay")
+        if rep.errors:
+            raise self.server.error(f"{what}: {len(rep.errors)} of {len(requests)} requests failed, first: {rep.errors[0]}")
+        short = [(r.rid, len(rec.output_ids), r.output_len) for r, rec in zip(requests, rep.records)
+                 if len(rec.output_ids) != r.output_len]
+        if short:
+            shown = ", ".join(f"request {rid}: {got} of {want}" for rid, got, want in short[:5])
+            raise self.server.error(f"{what}: {len(short)} of {len(requests)} requests answered a number of tokens "
+                                    f"other than asked ({shown})")
+        return rep
+
+    def run(self, requests: list[Request], on_step=None) -> RunResult:
+        """Warm-up (not measured), flush, the measured replay; ``on_step`` is not called (the server
+        steps on its own; its logged batches come back as ``steps``)."""
+        sc, srv = self.cfg.system.server, self.server
+        client = ReplayClient(srv.url, incremental=sc.incremental_streaming, timeout_s=sc.request_timeout_s)
+        srv.flush_cache()
+        warm_stats = None
+        if self.cfg.warmup_requests > 0:
+            warm = warmup_requests(requests, self.cfg.warmup_requests, self.cfg.model.max_position_embeddings)
+            w = self._replay(client, warm, "warm-up")
+            warm_stats = {"requests": len(w.records), "duration_s": w.duration_s}
+            srv.flush_cache()
+        start = srv.log_size()
+        t0 = time.perf_counter()
+        rep = self._replay(client, requests, "measured replay")
+        wall = time.perf_counter() - t0
+        time.sleep(0.2)                       # the last batch lines reach the (unbuffered) log
+        steps = parse_steps(srv.log_lines(start, srv.log_size()), sc.decode_log_interval)
+        decode = [s for s in steps if s["kind"] == "decode"]
+        stats = {"engine": "sglang", "duration_s": wall, "replay_duration_s": rep.duration_s,
+                 "client_max_send_lag_s": rep.max_send_lag_s, "client_chunks": rep.chunks,
+                 "kv_budget_tokens": self.info.get("max_total_num_tokens"),
+                 "server_pid": srv.pid, "server_adopted": srv.adopted, "server_start_s": srv.started_s,
+                 "num_logged_steps": len(steps), "num_logged_decode_steps": len(decode),
+                 "logged_decode_cuda_graph_share": (sum(bool(s.get("cuda_graph")) for s in decode) / len(decode)
+                                                    if decode else None),
+                 "cached_prompt_tokens": sum(r.cached_len for r in rep.records)}
+        if warm_stats is not None:
+            stats["warmup"] = warm_stats
+        return RunResult(rep.records, steps, stats)
+
+    def log_tail(self) -> list[str]:
+        return self.server.log_tail()
+
+
+def server_packages(spec) -> dict:
+    """Versions of the packages the server's python imports (its PYTHONPATH first), asked of that python."""
+    import json
+    import os
+    import subprocess
+
+    env = dict(os.environ)
+    for k, v in spec.env:
+        env[k] = f"{v}{os.pathsep}{env['PYTHONPATH']}" if k == "PYTHONPATH" and env.get("PYTHONPATH") else v
+    code = ("import json, importlib.metadata as m\nout = {}\nfor p in %r:\n    try: out[p] = m.version(p)\n"
+            "    except m.PackageNotFoundError: out[p] = None\nprint(json.dumps(out))" % (VERSION_PACKAGES,))
+    try:
+        r = subprocess.run([spec.argv[0], "-c", code], capture_output=True, text=True, env=env, timeout=60)
+        return json.loads(r.stdout) if r.returncode == 0 else {"error": r.stderr[-300:]}
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        return {"error": str(e)}
+
+
+__all__ = ["ServerEngine", "ServerError"]

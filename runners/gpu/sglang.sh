@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Real SGLang 0.5.17 on the GPU host (system=sglang_server cells), from a carried wheel set.
+#
+# The host has python 3.12 and torch 2.11.0+cu130 but no SGLang and no internet. The wheel set
+# (~118 MiB: sglang 0.5.17, the versions it pins, sglang-kernel 0.4.5 without its FA3 library) is
+# built here once into .sgl_wheels/ (git-ignored) and travels in parts of <= 44 MiB, one part per
+# device call (a call carries at most 64 MiB with the checkout):
+#   bash runners/gpu/sglang.sh stage        # in each call: copy the carried part(s) to /tmp/sgl_parts
+#   bash runners/gpu/sglang.sh install      # all parts there: check MANIFEST sha256, pip install --target /tmp/sgl_site
+#   bash runners/gpu/sglang.sh gate [overrides]   # start (or reuse) the server, serve 16 requests
+#   bash runners/gpu/sglang.sh stop         # stop every server this recipe started (by pid)
+# and runners/gpu/sweep.sh measures with GRANIKV_ENGINE=sglang (it sources this file: install, gate,
+# then the sweep). Consecutive calls on the same machine (it stays warm ~30 s after a call) reuse
+# what /tmp holds: the parts, the site dir and the running server (started in its own session with
+# GRANIKV_SGLANG_KEEP=1; the next call adopts it when its arguments are the same).
+#
+#   run(command="bash runners/gpu/sglang.sh stage", carry=[".sgl_wheels/parts/sgl_wheels.tar.part-aa", ".gpu_site/py"])
+#   run(command="bash runners/gpu/sglang.sh stage", carry=[".sgl_wheels/parts/sgl_wheels.tar.part-ab", ".gpu_site/py"])
+#   run(command="<provenance export line>; bash runners/gpu/sglang.sh stage && GRANIKV_ENGINE=sglang bash runners/gpu/sweep.sh headline -- system=sglang_server",
+#       carry=[".sgl_wheels/parts/sgl_wheels.tar.part-ac", ".gpu_site/py"])
+#
+# Knobs: GRANIKV_SGLANG_PARTS (/tmp/sgl_parts), GRANIKV_SGLANG_SITE (/tmp/sgl_site),
+# GRANIKV_SGLANG_STATE (/tmp/granikv-sglang: server state and logs), GRANIKV_SGLANG_GATE_ARGS
+# (the gate's overrides, default: the headline's server at Lp=512, 16 requests).
+SGL_PARTS=${GRANIKV_SGLANG_PARTS:-/tmp/sgl_parts}
+SGL_SITE=${GRANIKV_SGLANG_SITE:-/tmp/sgl_site}
+export GRANIKV_SGLANG_STATE=${GRANIKV_SGLANG_STATE:-/tmp/granikv-sglang}
+export GRANIKV_SGLANG_KEEP=1 SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+SGL_ROOT=${SGL_ROOT:-$PWD}
+_slog() { echo "[sglang.sh +$(( $(date +%s) - ${T0:-$(date +%s)} ))s] $*"; }
+
+sglang_stage() {   # copy the parts this call carried out of the checkout (the next call's checkout replaces it)
+  mkdir -p "$SGL_PARTS"
+  local n=0 p
+  for p in "$SGL_ROOT"/.sgl_wheels/parts/sgl_wheels.tar.part-*; do
+    [ -f "$p" ] || continue
+    cp "$p" "$SGL_PARTS/" && n=$((n + 1))
+  done
+  _slog "staged $n part(s); $SGL_PARTS holds: $(ls "$SGL_PARTS" | tr '\n' ' ')"
+}
+
+sglang_install() {   # idempotent: the parts -> wheels (sha256 checked) -> $SGL_SITE
+  if [ -f "$SGL_SITE/.installed" ]; then _slog "SGLang already installed in $SGL_SITE"; return 0; fi
+  local W=/tmp/sgl_whl
+  rm -rf "$W"; mkdir -p "$W"
+  cat "$SGL_PARTS"/sgl_wheels.tar.part-* 2>/dev/null | tar -x -C "$W" 2>/dev/null \
+    || { echo "ERROR: the wheel parts in $SGL_PARTS do not make a whole tar (a part missing? stage every part first)"; return 2; }
+  [ -f "$W/whl/MANIFEST.txt" ] || { echo "ERROR: no MANIFEST.txt in the wheel set"; return 2; }
+  (cd "$W/whl" && awk '{print $1"  "$3}' MANIFEST.txt | sha256sum -c --quiet) \
+    || { echo "ERROR: wheel checksums do not match MANIFEST.txt (a part truncated?)"; return 2; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SGL_SITE" "$W"/whl/*.whl \
+    || { echo "ERROR: pip install of the wheel set failed"; return 2; }
+  cp "$W/whl/MANIFEST.txt" "$SGL_SITE/.manifest" && touch "$SGL_SITE/.installed"
+  _slog "installed $(ls "$W"/whl/*.whl | wc -l) wheels into $SGL_SITE"
+}
+
+sglang_env_setup() {   # the runner's environment (hydra from .gpu_site/py) and the server's (SGLang first)
+  sglang_install || return 2
+  export GRANIKV_SGLANG_PYTHONPATH=$SGL_SITE
+  export PYTHONPATH=$SGL_ROOT:$SGL_ROOT/.gpu_site/py${PYTHONPATH:+:$PYTHONPATH}
+  PY=${PYTHON:-python3}
+  if [ -L "$SGL_ROOT/results/raw" ] && [ ! -e "$SGL_ROOT/results/raw" ]; then   # the checkout sent without raw cells
+    rm "$SGL_ROOT/results/raw"; mkdir -p "$SGL_ROOT/results/raw"
+  fi
+  PYTHONPATH=$SGL_SITE $PY -c "import sglang, flashinfer; print('sglang', sglang.__version__, 'flashinfer', flashinfer.__version__)" \
+    || { echo "ERROR: SGLang does not import from $SGL_SITE"; return 2; }
+  $PY -c "import hydra, omegaconf, aiohttp, granikv.serving.session" \
+    || { echo "ERROR: the runner's environment lacks hydra/omegaconf (.gpu_site/py carried?) or aiohttp"; return 2; }
+}
+
+sglang_gate() {   # start or reuse the server, serve a few requests through the measuring path, check them
+  local G=/tmp/sglang_gate
+  rm -rf "$G"
+  # shellcheck disable=SC2086
+  ${PY:-python3} -m runners.run sweep=headline system=sglang_server workload.prefix_len=512 workload.num_requests=16 \
+      warmup_requests=0 sweep_name=sglang_gate results_dir="$G" ${GRANIKV_SGLANG_GATE_ARGS:-} > "${OUT:-/tmp}/sglang_gate.log" 2>&1
+  local RC=$?
+  tail -3 "${OUT:-/tmp}/sglang_gate.log"
+  if [ "$RC" != 0 ] || ! ls "$G"/sglang_gate/*/metrics.json >/dev/null 2>&1; then
+    _slog "SGLang gate FAILED (rc=$RC): nothing measured; see sglang_gate.log"
+    tail -30 "$GRANIKV_SGLANG_STATE"/*/server.log 2>/dev/null | tail -30
+    return 3
+  fi
+  _slog "SGLang gate passed: $(python3 -c "import json,glob; m=json.load(open(glob.glob('$G/sglang_gate/*/metrics.json')[0])); print(m['num_requests'], 'requests,', m['num_output_tokens'], 'tokens,', round(m['output_throughput_tok_s']), 'tok/s')")"
+}
+
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then   # run as a command (sweep.sh sources it for the functions)
+  set -uo pipefail
+  T0=$(date +%s)
+  case "${1:-}" in
+    stage) sglang_stage ;;
+    install) sglang_install ;;
+    gate) shift; GRANIKV_SGLANG_GATE_ARGS="$*"; sglang_env_setup && sglang_gate ;;
+    stop) PYTHONPATH=$SGL_ROOT:$SGL_ROOT/.gpu_site/py python3 -m granikv.serving.server stop ;;
+    *) echo "usage: bash runners/gpu/sglang.sh stage|install|gate [overrides]|stop" >&2; exit 2 ;;
+  esac
+fi
