@@ -99,7 +99,8 @@ def test_kvcache_rejects_bad_hot_fraction(frac):
 
 
 def test_cold_validation_is_on_for_cpu_pools_and_can_be_turned_off():
-    """CUDA pools skip the free() checks (each is a device->host read, i.e. a stream sync)."""
+    """CPU pools check each free() at once ("sync"); validate=False turns the checks off. (CUDA pools
+    check too, deferred so as not to sync the stream: tests/test_kv_cold_checks.py, test_kv_cold_gpu.py.)"""
     assert ColdPool(4).validate is True
     pool = ColdPool(4, validate=False)
     ids = pool.alloc(2)

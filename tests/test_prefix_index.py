@@ -120,14 +120,20 @@ class IndexMachine(RuleBasedStateMachine):
         self.adm = Admission(self.idx)
         self.ref: dict[tuple, int] = {}  # token prefix -> slot of its last token
         self.held = []  # locked nodes
-        evict = self.idx.evict
+        evict, evict_hot = self.idx.evict, self.idx.evict_hot_extent
 
-        def evict_and_forget(n):  # Admission evicts too: forget freed entries before their slots are reused
-            freed = evict(n)
+        def evict_and_forget(*args, **kwargs):  # Admission evicts too: forget freed entries before their slots are reused
+            freed = evict(*args, **kwargs)
+            self._drop_freed()
+            return freed
+
+        def evict_hot_and_forget(length):
+            freed = evict_hot(length)
             self._drop_freed()
             return freed
 
         self.idx.evict = evict_and_forget
+        self.idx.evict_hot_extent = evict_hot_and_forget
 
     def _record(self, tokens, slots, start):
         for i in range(start, len(tokens)):
@@ -217,16 +223,17 @@ TestIndexMachine = IndexMachine.TestCase
 TestIndexMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
 
 
-def test_admission_keeps_evicting_past_hot_slabs_until_cold_has_room():
+def test_admission_cold_fallback_evicts_from_cold_only():
     kv, idx = make(capacity=100, hot_fraction=0.3)  # HOT 30, COLD 70
     adm = Admission(idx)
     hot = adm.admit(list(range(20)), 20)  # the LRU entry: a HOT slab
-    cold = adm.admit(list(range(100, 160)), 60)  # 10 HOT left: no fit -> COLD
+    cold = adm.admit(list(range(100, 160)), 60)  # 10 HOT left and the slab is locked: COLD
     assert (hot.where, cold.where) == ("hot", "cold")
     idx.unlock(hot.node)
     idx.unlock(cold.node)
-    # 25 COLD slots needed, 10 free: the first eviction round takes the older HOT slab (no COLD
-    # room), the next must take the COLD prefix
-    p = adm.admit(list(range(200, 225)), 25)
+    # 35 tokens fit no HOT window (HOT is 30): COLD, where 10 are free. The COLD prefix is evicted;
+    # the older HOT slab (first in LRU order, but it frees no COLD slot) stays cached
+    p = adm.admit(list(range(200, 235)), 35)
     assert p is not None and p.where == "cold"
-    assert kv.hot_pool.used_tokens == 0 and idx.match(list(range(100, 160))).length == 0
+    assert kv.hot_pool.used_tokens == 20 and idx.match(list(range(20))).length == 20
+    assert idx.match(list(range(100, 160))).length == 0 and idx.evicted_tokens == 60

@@ -158,13 +158,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
     def _make_room(self, n: int) -> bool:
-        """Evict LRU unlocked prefixes until ``n`` COLD slots are free (evicting a HOT slab frees no
-        COLD slot, so one ``evict`` call may not be enough); False if that is impossible now."""
+        """Evict LRU unlocked prefixes from COLD until ``n`` COLD slots are free (HOT slabs stay,
+        unless cached below an evicted COLD prefix); False, with nothing evicted, if that is
+        impossible now."""
         index, cold = self.storage.index, self.storage.kv.cold_pool
-        while cold.free_tokens < n:
-            if index.evict(n - cold.free_tokens) == 0:
-                return False
-        return True
+        if cold.free_tokens < n:
+            index.evict(n - cold.free_tokens, pool="cold")
+        return cold.free_tokens >= n
 
     def _admit(self, s: Seq) -> bool:
         st, req = self.storage, s.req

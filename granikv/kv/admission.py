@@ -38,9 +38,13 @@ class Admission:
     """Admits shared prefixes into the index: HOT if a contiguous extent fits, else COLD.
 
     A HOT prefix is never demoted or moved while cached. ``enable_hot=False`` (or a HOT
-    pool of size 0) is the paged baseline. When neither pool has room, unlocked LRU
-    leaves are evicted first; if that is not enough, ``admit`` returns None and nothing
-    was changed. ``log`` records each admission's placement, ``counts`` tallies them.
+    pool of size 0) is the paged baseline. When no free HOT extent fits, unlocked slabs are
+    evicted whole, least recently used first, to make one (``PrefixIndex.evict_hot_extent``;
+    locked and live prefixes stay where they are); only when no extent can be made does the
+    prefix fall back to COLD, evicting unlocked LRU prefixes from COLD alone
+    (``evict(n, pool="cold")``) when COLD is short. If COLD cannot make room either, ``admit``
+    returns None and nothing was evicted or allocated. ``log`` records each admission's
+    placement, ``counts`` tallies them.
     """
 
     index: PrefixIndex
@@ -84,14 +88,15 @@ class Admission:
     def _alloc_hot(self, n: int) -> Slab | None:
         if not self.enable_hot or self.index.hot_pool.capacity == 0:
             return None
-        return self.index.hot_pool.alloc(n)  # no eviction for HOT: a fitting extent or COLD
+        slab = self.index.hot_pool.alloc(n)
+        if slab is None and self.index.evict_hot_extent(n) > 0:  # stale unlocked slabs make way
+            slab = self.index.hot_pool.alloc(n)
+        return slab
 
     def _alloc_cold(self, n: int) -> torch.Tensor | None:
         pool = self.index.cold_pool
-        # Evicting an LRU HOT slab frees no COLD slot, so keep going until COLD has room or
-        # nothing evictable is left.
-        while pool.free_tokens < n and self.index.evict(n - pool.free_tokens) > 0:
-            pass
+        if pool.free_tokens < n:
+            self.index.evict(n - pool.free_tokens, pool="cold")  # all or nothing, COLD only
         return pool.alloc(n) if pool.free_tokens >= n else None
 
     def _record(self, p: Placement) -> Placement:

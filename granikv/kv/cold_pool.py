@@ -3,34 +3,71 @@ from __future__ import annotations
 
 import torch
 
+CHECK_MODES = ("sync", "deferred", "off")
+# the mode a pool gets when ``validate`` is None, by device type (anything not listed: "deferred");
+# tests may set DEFAULT_CHECKS["cuda"] = "sync" to have a CUDA engine raise at the faulty free itself
+DEFAULT_CHECKS = {"cpu": "sync", "cuda": "deferred"}
+
+
+def default_checks(device: str | torch.device) -> str:
+    """The free-check mode of a pool on ``device`` when none is asked for."""
+    return DEFAULT_CHECKS.get(torch.device(device).type, "deferred")
+
 
 class ColdPool:
     """Vectorised allocator of single-token slots ``[offset, offset + capacity)``.
 
     The free list is a ring buffer of slot ids in one int64 tensor (SGLang keeps a tensor
     free list too); ``alloc`` and ``free`` touch only the ids they hand out or take back, so
-    their cost is O(n) tensor work, never a Python loop per token. An ``owned`` mask and a
-    stamp tensor catch double frees and foreign ids without sorting.
+    their cost is O(n) tensor work, never a Python loop per token. A per-slot allocation count
+    (1 allocated, 0 free, below 0 freed more often than allocated; ids outside the pool count on
+    a sentinel slot at either end) catches double frees, never-allocated ids, ids repeated within
+    one free and foreign ids, without sorting: ``free`` subtracts one per id it gets back
+    (``index_add_``, so a repeated id counts twice) and looks at the smallest count it touched.
 
-    ``validate`` (default: on for CPU pools, off for CUDA ones): ``free`` checks its ids. Each
-    check reads a device value back to the host, i.e. synchronises the stream, which would make the
-    engine's overlap schedule wait for the decode step in flight whenever a request finishes;
-    SGLang's token pool does not check either. The CPU tests (state machine included) run with it.
+    ``validate`` picks how ``free`` checks (``CHECK_MODES``; True is "sync", False "off", None
+    ``default_checks(device)``: "sync" on CPU, "deferred" on CUDA):
+
+    - "sync": the bad ``free`` raises ValueError and changes nothing. One device-to-host read
+      per call, i.e. a stream sync on CUDA, which would make the engine's overlap schedule wait
+      for the decode step in flight whenever a request finishes.
+    - "deferred": the same count, with no host read: the smallest count seen is kept on the
+      device (a handful of small kernels per free call, none synchronising) and, on CUDA, copied
+      to pinned host memory behind an event. The next ``alloc`` / ``free`` whose event has
+      completed (usually the next step's), or any ``check()``, raises ValueError naming the
+      slots; the free list may then hold a slot twice, so every later call raises too.
+    - "off": no check (SGLang's token pool does not check either).
     """
 
     def __init__(self, capacity: int, offset: int = 0, device: str | torch.device = "cpu",
-                 validate: bool | None = None):
+                 validate: bool | str | None = None):
         if not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"ColdPool capacity must be an int >= 0, got {capacity!r}")
         self.capacity = capacity
         self.offset = offset
         self.device = torch.device(device)
+        if validate is None:
+            mode = default_checks(self.device)
+        elif isinstance(validate, bool):
+            mode = "sync" if validate else "off"
+        else:
+            mode = validate
+        if mode not in CHECK_MODES:
+            raise ValueError(f"ColdPool validate must be a bool, None or one of {CHECK_MODES}, got {validate!r}")
+        self.checks = mode
+        self.validate = mode != "off"  # whether free() checks at all
         self._ring = torch.arange(offset, offset + capacity, dtype=torch.int64, device=self.device)
         self._head = 0  # index in _ring of the next id to hand out
         self._count = capacity  # free ids in the ring
-        self._owned = torch.zeros(capacity, dtype=torch.bool, device=self.device)
-        self._stamp = torch.zeros(capacity, dtype=torch.int64, device=self.device)
-        self.validate = (self.device.type == "cpu") if validate is None else bool(validate)
+        # allocation count of slot offset + i at [i + 1]; [0] and [capacity + 1] take ids outside the pool
+        self._cnt = torch.zeros(capacity + 2, dtype=torch.int32, device=self.device)
+        self._one = torch.ones((), dtype=torch.int32, device=self.device)
+        self._low = torch.zeros((), dtype=torch.int32, device=self.device)  # deferred: smallest count seen
+        self._low_host = self._event = None
+        if mode == "deferred" and self.device.type == "cuda":
+            self._low_host = torch.zeros((), dtype=torch.int32, pin_memory=True)
+            self._event = torch.cuda.Event()
+        self._broken: str | None = None  # set once a deferred check found a bad free
 
     @property
     def free_tokens(self) -> int:
@@ -44,6 +81,8 @@ class ColdPool:
         """``n`` distinct slot ids as an int64 tensor ``[n]``, or None if fewer are free."""
         if not isinstance(n, int) or n <= 0:
             raise ValueError(f"ColdPool.alloc(n): n must be a positive int, got {n!r}")
+        if self.checks == "deferred":
+            self._raise_if_flagged(block=False)
         if n > self._count:
             return None
         h, cap = self._head, self.capacity
@@ -53,28 +92,35 @@ class ColdPool:
             ids = torch.cat((self._ring[h:], self._ring[: h + n - cap]))
         self._head = (h + n) % cap
         self._count -= n
-        self._owned[ids - self.offset] = True
+        self._cnt[ids - (self.offset - 1)] = 1
         return ids
 
     def free(self, ids: torch.Tensor) -> None:
-        """Give back ids from earlier ``alloc`` calls; raises on a foreign, free or repeated id."""
+        """Give back ids from earlier ``alloc`` calls; a foreign, free or repeated id raises
+        (at once with checks "sync", at a later call with "deferred"; see the class)."""
         if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
             raise ValueError("ColdPool.free(ids): ids must be a 1-D int64 tensor of slot ids")
         n = ids.numel()
         if n == 0:
             return
-        local = ids - self.offset
-        if self.validate:
-            if bool(((local < 0) | (local >= self.capacity)).any()):
-                raise ValueError(f"ColdPool.free: ids outside this pool's range "
-                                 f"[{self.offset}, {self.offset + self.capacity})")
-            if not bool(self._owned[local].all()):
-                raise ValueError("ColdPool.free: an id is not allocated (double free or never allocated)")
-            order = torch.arange(n, dtype=torch.int64, device=self.device)
-            self._stamp[local] = order
-            if not bool((self._stamp[local] == order).all()):
-                raise ValueError("ColdPool.free: the same id appears twice in one free")
-        self._owned[local] = False
+        mode = self.checks
+        if mode == "off":
+            self._cnt[ids - (self.offset - 1)] = 0
+        else:
+            if mode == "deferred":
+                self._raise_if_flagged(block=False)
+            idx = (ids - (self.offset - 1)).clamp_(0, self.capacity + 1)  # outside -> a sentinel slot
+            self._cnt.index_add_(0, idx, self._one.expand(n), alpha=-1)
+            low = self._cnt[idx].amin()
+            if mode == "sync":
+                if int(low) < 0:  # the one host read of a checked free
+                    self._cnt.index_add_(0, idx, self._one.expand(n))  # undo: the pool is unchanged
+                    raise ValueError(self._diagnose(idx))
+            else:
+                torch.minimum(self._low, low, out=self._low)
+                if self._event is not None:
+                    self._low_host.copy_(self._low, non_blocking=True)
+                    self._event.record()
         cap = self.capacity
         tail = (self._head + self._count) % cap
         if tail + n <= cap:
@@ -85,6 +131,43 @@ class ColdPool:
             self._ring[: n - k] = ids[k:]
         self._count += n
 
+    def check(self) -> None:
+        """Raise ValueError if any free so far gave back a bad id (waits for the device's pending
+        work; with checks "sync" or "off" there is nothing pending to look at)."""
+        if self.checks == "deferred":
+            self._raise_if_flagged(block=True)
+
     def owned_mask(self) -> torch.Tensor:
         """Bool ``[capacity]``: True where the slot is allocated (for checks, not hot paths)."""
-        return self._owned.clone()
+        return self._cnt[1:self.capacity + 1] > 0
+
+    # ------------------------------------------------------------------ checks
+    def _raise_if_flagged(self, block: bool) -> None:
+        if self._broken is None:
+            if self._event is None:
+                low = int(self._low)  # CPU (or a device without events): a plain read, no stream to wait on
+            elif block or self._event.query():  # query(): has the last free's copy landed? (never waits)
+                self._event.synchronize()
+                low = int(self._low_host)
+            else:
+                return
+            if low >= 0:
+                return
+            bad = (self._cnt < 0).nonzero().flatten()
+            slots = [int(i) - 1 + self.offset for i in bad[:8] if 0 < int(i) <= self.capacity]
+            outside = bool(((bad == 0) | (bad == self.capacity + 1)).any())
+            self._broken = (
+                "ColdPool.free: an id was not allocated (double free, never allocated, or repeated in one "
+                f"free){'; an id outside this pool' if outside else ''}; slots freed more often than "
+                f"allocated: {slots if slots else 'none still negative'}. Found after the fact (checks="
+                "'deferred', the CUDA default: no stream sync per free), so the free list may hold a slot "
+                "twice and this pool is unusable; ColdPool(validate='sync') raises in the faulty free itself")
+        raise ValueError(self._broken)
+
+    def _diagnose(self, idx: torch.Tensor) -> str:
+        """The message of a failed "sync" free (its counts already restored)."""
+        if bool(((idx == 0) | (idx == self.capacity + 1)).any()):
+            return f"ColdPool.free: ids outside this pool's range [{self.offset}, {self.offset + self.capacity})"
+        if not bool((self._cnt[idx] == 1).all()):
+            return "ColdPool.free: an id is not allocated (double free or never allocated)"
+        return "ColdPool.free: the same id appears twice in one free"

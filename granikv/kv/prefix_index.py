@@ -69,8 +69,9 @@ class PrefixIndex:
 
     ``insert`` records where tokens' KV lives; ``match`` returns the longest cached prefix
     (splitting a node at the match boundary so the result can be locked exactly); ``lock``
-    pins a path (a locked node is never evicted); ``evict`` frees least-recently-used
-    unlocked leaves back to the pool they came from, a HOT slab only as a whole.
+    pins a path (a locked node is never evicted); ``evict(n, pool)`` frees least-recently-used
+    unlocked prefixes until ``n`` slots of the pool a caller needs are free, a HOT slab only as a
+    whole; ``evict_hot_extent`` frees unlocked slabs until one contiguous HOT extent fits.
     """
 
     def __init__(self, hot_pool: HotPool, cold_pool: ColdPool):
@@ -183,13 +184,123 @@ class PrefixIndex:
             node = node.parent
 
     # ------------------------------------------------------------------ eviction
-    def evictable_tokens(self) -> int:
-        return sum(len(n) for n in self._nodes() if n.lock_ref == 0)
+    # The unit of eviction is a COLD node, or a HOT slab's whole group of nodes (a chain on one
+    # path, split by matches); a unit goes only with everything below it. ``lock_ref`` counts the
+    # locks of a node and of its descendants, so a unit whose top node has ``lock_ref == 0`` heads
+    # an entirely unlocked subtree: evicting that subtree is always possible.
+    def evictable_tokens(self, pool: str | None = None) -> int:
+        """Cached tokens that eviction could free now: of both pools (``pool=None``), or of
+        ``"hot"`` (whole slabs of unlocked groups) or ``"cold"``."""
+        if pool is None:
+            return sum(len(n) for n in self._nodes() if n.lock_ref == 0)
+        _check_pool(pool)
+        if pool == "cold":
+            return sum(len(n) for n in self._nodes() if n.slab is None and n.lock_ref == 0)
+        return sum(n.slab.length for n in (next(iter(g)) for g in self._slab_nodes.values())
+                   if self._top(n).lock_ref == 0)
 
-    def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` (if possible) from LRU unlocked leaves; returns tokens freed."""
+    def evict(self, num_tokens: int, pool: str | None = None) -> int:
+        """Free at least ``num_tokens`` slots of ``pool`` (``"hot"`` or ``"cold"``) from unlocked
+        cached prefixes, least recently used first; returns the slots of ``pool`` freed.
+
+        All or nothing: when fewer than ``num_tokens`` slots of ``pool`` are evictable, nothing
+        is evicted and 0 is returned. Units of the pool that are leaves go first, in LRU order;
+        a unit of the other pool is evicted only below a unit of ``pool`` that is evicted with
+        its whole subtree, once no leaf of ``pool`` is left (a COLD prefix under which a HOT
+        extension is cached, say). A HOT slab goes only whole, so more than ``num_tokens`` HOT
+        slots may be freed.
+
+        ``pool=None``: the older any-pool LRU over leaves, as many tokens of either pool as it can
+        (returns tokens of both pools freed); it cannot make room in one pool on purpose.
+        """
         if num_tokens < 0:
             raise ValueError(f"PrefixIndex.evict: num_tokens must be >= 0, got {num_tokens}")
+        if pool is None:
+            return self._evict_any(num_tokens)
+        _check_pool(pool)
+        if num_tokens == 0 or self.evictable_tokens(pool) < num_tokens:
+            return 0
+        heap = [(t.last_access, t.uid, t) for t in self._unit_tops() if self._in_pool(t, pool)
+                and t.lock_ref == 0 and self._is_leaf_unit(t)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens:
+            top = None
+            while heap:
+                _, _, t = heapq.heappop(heap)
+                if t.parent is not None and t.lock_ref == 0 and self._is_leaf_unit(t):
+                    top = t
+                    break
+            if top is None:  # no leaf of this pool left: the stalest unlocked subtree headed by one
+                top = self._stalest_blocked_unit(pool)
+                if top is None:
+                    break  # not reached: the evictable count above said there was enough
+            parent = top.parent
+            cold, hot = self._drop_subtree(top)
+            freed += cold if pool == "cold" else hot
+            if parent is not self.root:
+                t = self._top(parent)
+                if self._in_pool(t, pool) and t.lock_ref == 0 and self._is_leaf_unit(t):
+                    heapq.heappush(heap, (t.last_access, t.uid, t))
+        return freed
+
+    def evict_hot_extent(self, length: int) -> int:
+        """Evict unlocked HOT slabs (each with its subtree) until one free HOT extent holds
+        ``length`` slots; returns the HOT slots freed (0: an extent already fits, or none can).
+
+        Locked slabs never move, so the candidate windows are the runs of free extents and
+        unlocked slabs between locked ones. Of the smallest windows of ``length`` slots, the one
+        whose evicted subtrees were used least recently (the newest access among them is the
+        oldest) is taken, fewer evicted tokens and a lower address breaking ties; only the slabs
+        of that window are evicted (and what is cached below them). Nothing is evicted when no
+        window can hold ``length``.
+        """
+        if not isinstance(length, int) or length <= 0:
+            raise ValueError(f"PrefixIndex.evict_hot_extent: length must be a positive int, got {length!r}")
+        pool = self.hot_pool
+        if pool.largest_free_extent >= length or length > pool.capacity:
+            return 0
+        info: dict[int, tuple[int, int, Node]] = {}  # slab start -> (newest access, tokens, top) of an evictable slab
+        for start, group in self._slab_nodes.items():
+            top = self._top(next(iter(group)))
+            if top.lock_ref == 0:
+                sub = self._subtree(top)
+                info[start] = (max(n.last_access for n in sub), sum(len(n) for n in sub), top)
+        # blocks tiling the HOT region in address order: (start, length, info or None (free) or False (locked))
+        blocks = sorted([(s, n, None) for s, n in pool.free_extents()]
+                        + [(sl.start, sl.length, info.get(sl.start, False)) for sl in pool.slabs])
+        best, best_tops = None, None
+        i = 0
+        while i < len(blocks):
+            if blocks[i][2] is False:
+                i += 1
+                continue
+            total, newest, cost, tops = 0, -1, 0, []
+            for j in range(i, len(blocks)):
+                b = blocks[j]
+                if b[2] is False:
+                    break
+                total += b[1]
+                if b[2] is not None:
+                    newest, cost = max(newest, b[2][0]), cost + b[2][1]
+                    tops.append(b[2][2])
+                if total >= length:
+                    key = (newest, cost, blocks[i][0])
+                    if best is None or key < best:
+                        best, best_tops = key, tops
+                    break
+            i += 1
+        if best is None:
+            return 0
+        freed = 0
+        for top in best_tops:
+            if top.parent is not None:  # not already gone below another slab of the window
+                freed += self._drop_subtree(top)[1]
+        assert pool.largest_free_extent >= length, "PrefixIndex.evict_hot_extent: the window did not free up"
+        return freed
+
+    def _evict_any(self, num_tokens: int) -> int:
+        """``evict(num_tokens)`` with no pool: LRU over the leaves of both pools."""
         heap = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
@@ -226,6 +337,72 @@ class PrefixIndex:
         self.evicted_tokens += freed
         return freed
 
+    # ------------------------------------------------------------------ eviction units
+    def _top(self, node: Node) -> Node:
+        """The top node of ``node``'s unit: itself (COLD), or the uppermost node of its slab."""
+        if node.slab is None:
+            return node
+        while node.parent is not None and node.parent.slab == node.slab:
+            node = node.parent
+        return node
+
+    def _unit_tops(self) -> list[Node]:
+        return [n for n in self._nodes() if n.slab is None or n.parent.slab != n.slab]
+
+    @staticmethod
+    def _in_pool(top: Node, pool: str) -> bool:
+        return (top.slab is None) == (pool == "cold")
+
+    def _is_leaf_unit(self, top: Node) -> bool:
+        """No child outside the unit headed by ``top``."""
+        if top.slab is None:
+            return not top.children
+        return all(c.slab == top.slab for g in self._slab_nodes[top.slab.start] for c in g.children.values())
+
+    def _subtree(self, top: Node) -> list[Node]:
+        out, stack = [], [top]
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    def _stalest_blocked_unit(self, pool: str) -> Node | None:
+        """The unlocked unit of ``pool`` with other units below it whose subtree was used least
+        recently (then: the smallest subtree), or None."""
+        best, best_key = None, None
+        for t in self._unit_tops():
+            if t.lock_ref or not self._in_pool(t, pool) or self._is_leaf_unit(t):
+                continue
+            sub = self._subtree(t)
+            key = (max(n.last_access for n in sub), sum(len(n) for n in sub), t.uid)
+            if best_key is None or key < best_key:
+                best, best_key = t, key
+        return best
+
+    def _drop_subtree(self, top: Node) -> tuple[int, int]:
+        """Evict the unit headed by ``top`` and everything below it (all unlocked); returns the
+        (COLD, HOT) slots freed. COLD slots go back in one ``free`` call."""
+        if top.lock_ref:
+            raise AssertionError(f"PrefixIndex: evicting locked {top}")
+        sub = self._subtree(top)
+        cold = [n.slots for n in sub if n.slab is None]
+        slabs = {n.slab.start: n.slab for n in sub if n.slab is not None}
+        if cold:
+            self.cold_pool.free(cold[0] if len(cold) == 1 else torch.cat(cold))
+        hot = 0
+        for start, slab in slabs.items():
+            del self._slab_nodes[start]
+            self.hot_pool.free(slab)
+            hot += slab.length
+        del top.parent.children[top.key[0]]
+        for n in sub:
+            n.parent = None
+        ncold = sum(len(c) for c in cold)
+        self.cached_tokens -= ncold + hot
+        self.evicted_tokens += ncold + hot
+        return ncold, hot
+
     # ------------------------------------------------------------------ introspection
     def _nodes(self):
         stack = list(self.root.children.values())
@@ -239,6 +416,11 @@ class PrefixIndex:
 
     def slab_of(self, node: Node) -> Slab | None:
         return node.slab
+
+
+def _check_pool(pool) -> None:
+    if pool not in ("hot", "cold"):
+        raise ValueError(f"PrefixIndex: pool must be 'hot' or 'cold' (or None for either), got {pool!r}")
 
 
 def _check_slots(what: str, n: int, slots) -> None:
