@@ -185,7 +185,7 @@ class SGLangServer:
                  proc: Optional[subprocess.Popen] = None, adopted: bool = False):
         self.spec, self.pid, self.port, self.log_path = spec, pid, port, Path(log_path)
         self.proc, self.adopted = proc, adopted
-        self.started_s: Optional[float] = None   # launch -> healthy, for a server this process started
+        self.started_s: Optional[float] = None   # launch -> healthy (seconds)
         self._info: Optional[dict] = None
 
     @property
@@ -225,7 +225,7 @@ class SGLangServer:
             raise
         srv.started_s = time.monotonic() - t0
         srv.state_file.write_text(json.dumps({"pid": srv.pid, "port": port, "key": spec.key, "argv": argv,
-                                              "log": str(log_path)}))
+                                              "log": str(log_path), "start_s": srv.started_s}))
         return srv
 
     def wait_ready(self, deadline: float) -> None:
@@ -249,6 +249,7 @@ class SGLangServer:
             return None
         st = json.loads(f.read_text())
         srv = cls(spec, int(st["pid"]), int(st["port"]), Path(st["log"]), adopted=True)
+        srv.started_s = st.get("start_s")     # launch -> healthy, as the process that started it saw it
         if srv.alive() and http_get(srv.url + "/health_generate", timeout=10.0)[0] == 200:
             return srv
         srv.stop()

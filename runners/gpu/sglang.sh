@@ -2,9 +2,12 @@
 # Real SGLang 0.5.17 on the GPU host (system=sglang_server cells), from a carried wheel set.
 #
 # The host has python 3.12 and torch 2.11.0+cu130 but no SGLang and no internet. The wheel set
-# (~118 MiB: sglang 0.5.17, the versions it pins, sglang-kernel 0.4.5 without its FA3 library) is
-# built here once into .sgl_wheels/ (git-ignored) and travels in parts of <= 44 MiB, one part per
-# device call (a call carries at most 64 MiB with the checkout):
+# (~118 MiB: sglang 0.5.17, the versions it pins, sglang-kernel 0.4.5 without its FA3 library;
+# runners/gpu/sglang_wheels.txt) is built once on a machine with internet,
+#   python runners/gpu/build_sgl_wheels.py      # -> .sgl_wheels/{whl/*.whl, whl/MANIFEST.txt, parts/}
+# (git-ignored) and travels in parts of <= 44 MiB, one part per device call (a call carries at most
+# 64 MiB with the checkout, results/raw left out: `git sparse-checkout set --no-cone '/*' '!/results/raw/'`,
+# `git sparse-checkout disable` after):
 #   bash runners/gpu/sglang.sh stage        # in each call: copy the carried part(s) to /tmp/sgl_parts
 #   bash runners/gpu/sglang.sh install      # all parts there: check MANIFEST sha256, pip install --target /tmp/sgl_site
 #   bash runners/gpu/sglang.sh gate [overrides]   # start (or reuse) the server, serve 16 requests
