@@ -235,3 +235,24 @@ def test_stop_kills_the_whole_process_group(fake):
     assert not srv.alive() and not srv.state_file.exists()
     with pytest.raises(ProcessLookupError):
         os.killpg(srv.pid, 0)
+
+
+def test_wheel_set_builder_slims_sglang_kernel_and_reads_its_list(tmp_path):
+    import importlib.util
+    import zipfile
+    spec = importlib.util.spec_from_file_location("bsw", ROOT / "runners/gpu/build_sgl_wheels.py")
+    bsw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bsw)
+    names = bsw.wheel_files()
+    assert any(n.startswith("sglang-0.5.17-") for n in names) and any(n.startswith("sglang_kernel-") for n in names)
+    assert all(bsw.WHEEL.match(n) for n in names)
+    w = tmp_path / "sglang_kernel-0.4.5-cp310-abi3-manylinux2014_x86_64.whl"
+    keep = "sgl_kernel/common_ops.abi3.so"
+    with zipfile.ZipFile(w, "w") as z:
+        for m in (*bsw.SLIM, keep):
+            z.writestr(m, b"x" * 10)
+        z.writestr("sgl_kernel-0.4.5.dist-info/RECORD", "".join(f"{m},sha256=a,10\n" for m in (*bsw.SLIM, keep)))
+    bsw.slim(w)
+    with zipfile.ZipFile(w) as z:
+        assert sorted(z.namelist()) == ["sgl_kernel-0.4.5.dist-info/RECORD", keep]
+        assert z.read("sgl_kernel-0.4.5.dist-info/RECORD").decode() == f"{keep},sha256=a,10\n"
