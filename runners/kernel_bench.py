@@ -22,7 +22,7 @@ Layout cells ``layout-<shape>-lp<Lp>-b<B>``: variant contiguous_dense (one non-c
   dram_pct / sm_pct of each variant's longest kernel from Nsight Compute (first shape, largest layout
   Lp only, to bound the time; ncu_error when it could not run, e.g. no counters on a gVisor host).
 Dispatch-cost cell ``dispatch_cost``: host microseconds per step for Dispatcher.choose over k
-  classes and for a whole GranikvBackend.plan() (CPU tensors).
+  classes and for a whole DecodeAttention.plan() with the granikv policy (CPU tensors).
 """
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ import torch
 
 from granikv import rawio
 from granikv.attention import reference as R
-from granikv.attention.backends import GranikvBackend, make_backend
 from granikv.attention.bench import Shape, attention_flops, build_cell, kv_bytes, measure_peaks, sync, time_fn
+from granikv.attention.decode import make_backend
 from granikv.attention.dispatch import Dispatcher, check_table
 
 VARIANTS = ("paged", "cascade", "cascade_composed", "hydragen", "dense", "dense_unsplit", "granikv_cascade", "granikv")
@@ -163,7 +163,7 @@ def make_variant(spec: BenchSpec, shape: Shape, variant: str, cuda_graph: bool):
                             cascade_impl="composed")
     if variant in ("granikv", "granikv_cascade"):
         disp = _dispatcher(spec, shape, "table" if variant == "granikv" else "cascade_only")
-        return GranikvBackend(shape.hq, shape.hkv, shape.d, dispatcher=disp, device=dev, dtype=dt, cuda_graph=cuda_graph)
+        return make_backend("granikv", shape.hq, shape.hkv, shape.d, dev, dt, dispatcher=disp, cuda_graph=cuda_graph)
     return make_backend(variant, shape.hq, shape.hkv, shape.d, dev, dt, cuda_graph=cuda_graph)
 
 
@@ -343,13 +343,13 @@ def dispatch_cost_rows(spec: BenchSpec) -> tuple[list, dict]:
         classes = [(2048, 256 // k)] * k
         choose_many = d.choose_many
 
-        def step():                        # what GranikvBackend._choose asks per step
+        def step():                        # what GranikvPolicy.choose asks per step
             return choose_many(classes)
 
         n = 20000
         us = min(timeit.repeat(step, number=n, repeat=5)) / n * 1e6
         rows.append({"backend": "dispatcher", "num_classes": k, "us_per_step": us})
-        be = GranikvBackend(shape.hq, shape.hkv, shape.d, dispatcher=d)
+        be = make_backend("granikv", shape.hq, shape.hkv, shape.d, dispatcher=d)
         _, _, batch = build_cell(shape, 64, 256, k, 4, torch.float32, torch.device("cpu"))
         m = 20
         us_plan = min(timeit.repeat(lambda: be.plan(batch), number=m, repeat=3)) / m * 1e6

@@ -7,8 +7,9 @@ import torch
 
 from attn_util import make_step, rel_err
 from granikv.attention import reference as R
-from granikv.attention.backends import BACKEND_CLASSES, make_backend
+from granikv.attention.decode import make_backend
 from granikv.attention.dispatch import Dispatcher
+from granikv.attention.policy import POLICIES
 from granikv.config import SystemConfig
 
 # mixed table: small Lp -> paged, mid Meff -> cascade, big Meff -> dense (exercises every path)
@@ -33,7 +34,7 @@ def check(name, hq, hkv, d, k, v, batch, dtype=torch.float32, seed=0):
     return be
 
 
-NAMES = sorted(BACKEND_CLASSES)
+NAMES = sorted(POLICIES)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -111,6 +112,6 @@ def test_bad_batches_are_rejected():
 
 
 def test_unknown_cascade_impl_names_the_field():
-    from granikv.attention.backends import make_backend
+    from granikv.attention.decode import make_backend
     with pytest.raises(ValueError, match="cascade_impl must be one of"):
         make_backend("cascade", 8, 2, 16, cascade_impl="fast")

@@ -9,7 +9,9 @@ import torch
 import fake_flashinfer
 from attn_util import make_step, rel_err
 from granikv.attention import reference as R
+from granikv.attention.decode import DecodeAttention
 from granikv.attention.dispatch import Dispatcher
+from granikv.attention.policy import GranikvPolicy, make_policy
 
 MIXED = [{"lp_max": 8, "choice": "paged"}, {"meff_min": 12, "choice": "dense"}, {"choice": "cascade"}]
 NAMES = ["paged", "cascade", "cascade_composed", "dense", "hydragen", "granikv"]
@@ -21,14 +23,12 @@ def fake_fi(monkeypatch):
 
 
 def _make(name, hq, hkv, d, graph, splits=None):
-    from granikv.attention.backends import BACKEND_CLASSES, GranikvBackend
-
     kw = dict(device="cpu", dtype=torch.float32, cuda_graph=graph, impl="flashinfer", dense_kv_splits=splits)
     if name == "granikv":
-        return GranikvBackend(hq, hkv, d, dispatcher=Dispatcher(hq, hkv, d, "t", MIXED), **kw)
+        return DecodeAttention(GranikvPolicy(Dispatcher(hq, hkv, d, "t", MIXED)), hq, hkv, d, **kw)
     if name == "cascade_composed":   # SGLang-Cascade's split on the per-class cascade path
-        return BACKEND_CLASSES["cascade"](hq, hkv, d, cascade_impl="composed", **kw)
-    return BACKEND_CLASSES[name](hq, hkv, d, **kw)
+        return DecodeAttention(make_policy("cascade"), hq, hkv, d, cascade_impl="composed", **kw)
+    return DecodeAttention(make_policy(name), hq, hkv, d, **kw)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -114,13 +114,11 @@ def test_graph_replay_after_replan_with_new_class_rows(name, mode):
     leave). Regression: with two cascade classes, plan() put their rows into a freshly allocated
     tensor each step, so the captured graph kept gathering from the first step's (freed) buffer
     (device-side assert ``srcIndex < srcSelectDimSize`` in the engine GPU test for granikv)."""
-    from granikv.attention.backends import GranikvBackend
-
     hq, hkv, d = 8, 2, 8
     if name == "granikv":
         table = [{"lp_min": 30, "choice": "dense"}, {"choice": "cascade"}]    # table: one dense, one cascade class
-        be = GranikvBackend(hq, hkv, d, dispatcher=Dispatcher(hq, hkv, d, "t", table, mode=mode), device="cpu",
-                            dtype=torch.float32, cuda_graph=True, impl="flashinfer")
+        be = DecodeAttention(GranikvPolicy(Dispatcher(hq, hkv, d, "t", table, mode=mode)), hq, hkv, d, device="cpu",
+                             dtype=torch.float32, cuda_graph=True, impl="flashinfer")
     else:
         be = _make(name, hq, hkv, d, True)
     (_, k1, v1, b1), (_, k2, v2, b2) = _steps_same_key(be, hkv, d)
@@ -143,18 +141,16 @@ def test_graph_replay_after_replan_with_new_class_rows(name, mode):
 def test_decode_tensor_cores_follow_sglang_rule(name, graph):
     """SGLang's rule for every backend's decode wrappers: bf16 KV with Hq/Hkv >= 4 -> use_tensor_cores=True,
     Hq/Hkv = 2 -> False (baselines get SGLang's settings; regression guard for flashinfer_ops/gpu_paths)."""
-    from granikv.attention.backends import BACKEND_CLASSES, GranikvBackend
-
     layouts = [([100], [6], [True], 0), ([4, 100, 100, 60], [2, 1, 4, 5], [True, True, True, False], 2),
                ([30, 30], [3, 3], [True, False], 1), ([], [], [], 3)]
     for hq, hkv, want in ((8, 2, True), (16, 2, True), (4, 2, False), (2, 2, False)):
         kw = dict(device="cpu", dtype=torch.bfloat16, cuda_graph=graph, impl="flashinfer")
         if name == "granikv":
-            be = GranikvBackend(hq, hkv, 8, dispatcher=Dispatcher(hq, hkv, 8, "t", MIXED), **kw)
+            be = DecodeAttention(GranikvPolicy(Dispatcher(hq, hkv, 8, "t", MIXED)), hq, hkv, 8, **kw)
         elif name == "cascade_composed":
-            be = BACKEND_CLASSES["cascade"](hq, hkv, 8, cascade_impl="composed", **kw)
+            be = DecodeAttention(make_policy("cascade"), hq, hkv, 8, cascade_impl="composed", **kw)
         else:
-            be = BACKEND_CLASSES[name](hq, hkv, 8, **kw)
+            be = DecodeAttention(make_policy(name), hq, hkv, 8, **kw)
         fake_flashinfer.DECODE_WRAPPERS.clear()
         for seed, (lps, sizes, hot, nopfx) in enumerate(layouts):
             be.plan(make_step(seed, hkv, 8, lps, sizes, hot, n_noprefix=nopfx, max_suffix=5)[2], graph=graph)
@@ -201,14 +197,12 @@ def test_padded_single_class_full_cover(name):
 def test_pad_rows_do_not_change_the_decision_and_skip_a_paged_prefix():
     """granikv decides on real rows (num_pad excluded): 3 real rows + 5 pad rows with dense from B_class 4
     -> cascade, as unpadded; with a paged rule the pad rows skip the prefix (1-token rows, as SGLang pads)."""
-    from granikv.attention.backends import GranikvBackend
-
     hq, hkv, d = 8, 2, 8
     rules = {"split": [{"meff_min": 4 * 4, "choice": "dense"}, {"choice": "cascade"}], "paged": [{"choice": "paged"}]}
     for rule, want in (("split", "cascade"), ("paged", "paged")):
         for graph in (False, True):
-            be = GranikvBackend(hq, hkv, d, dispatcher=Dispatcher(hq, hkv, d, "t", rules[rule]), device="cpu",
-                                dtype=torch.float32, cuda_graph=graph, impl="flashinfer")
+            be = DecodeAttention(GranikvPolicy(Dispatcher(hq, hkv, d, "t", rules[rule])), hq, hkv, d, device="cpu",
+                                 dtype=torch.float32, cuda_graph=graph, impl="flashinfer")
             k, v, batch = _padded_class_step(4, hkv, d, 3, 5)
             be.plan(batch)
             assert [c.choice for c in be._plan.classes] == [want]
@@ -313,7 +307,7 @@ def test_grouped_rows_take_the_slice_path():
     be = _make("dense", 8, 2, 8, False)
     k, v, batch = make_step(4, 2, 8, [40, 60], [3, 4], [True, True], n_noprefix=2, grouped=True)
     be.plan(batch)
-    spans = [seg[5] for seg in be._gpu.current.segments]
+    spans = [seg.span for seg in be._gpu.current.segments]
     assert spans and all(sp is not None for sp in spans)
     out = be.run(torch.randn(batch.batch_size, 8, 8), k, v)
     assert out.shape == (batch.batch_size, 8, 8)

@@ -16,7 +16,7 @@ SHAPES = [(32, 8, 128), (20, 4, 128), (8, 8, 128)]
 def _backend(name, hq, hkv, d, cuda_graph=False):
     from types import SimpleNamespace
 
-    from granikv.attention.backends import make_backend
+    from granikv.attention.decode import make_backend
     from granikv.attention.dispatch import Dispatcher
 
     disp = Dispatcher(hq, hkv, d, "test", MIXED) if name == "granikv" else None
@@ -89,13 +89,14 @@ def test_cuda_graph_replay_after_replan_new_class_rows(mode):
     """A graph captured with two split-off classes replays correctly after a re-plan with the same
     graph_key but other rows in the classes (regression: two cascade classes' rows lived in a tensor
     re-allocated by every plan(), read by the captured graph at its old address)."""
-    from granikv.attention.backends import GranikvBackend
+    from granikv.attention.decode import DecodeAttention
     from granikv.attention.dispatch import Dispatcher
+    from granikv.attention.policy import GranikvPolicy
 
     hq, hkv, d = 8, 2, 128
     table = [{"lp_min": 500, "choice": "dense"}, {"choice": "cascade"}]     # table: 700 dense, 300 cascade
-    be = GranikvBackend(hq, hkv, d, dispatcher=Dispatcher(hq, hkv, d, "test", table, mode=mode), device="cuda",
-                        dtype=torch.bfloat16, cuda_graph=True)
+    be = DecodeAttention(GranikvPolicy(Dispatcher(hq, hkv, d, "test", table, mode=mode)), hq, hkv, d, device="cuda",
+                         dtype=torch.bfloat16, cuda_graph=True)
     steps: dict = {}
     for seed in range(200):         # two layouts with one graph_key and different class rows
         k, v, batch = make_step(seed, hkv, d, [700, 300], [6, 6], [True, True], n_noprefix=4, max_suffix=1,

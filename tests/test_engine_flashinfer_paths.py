@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import fake_flashinfer
-from granikv.attention.backends import BACKEND_CLASSES, GranikvBackend
+from granikv.attention.decode import DecodeAttention
 from granikv.attention.dispatch import Dispatcher
+from granikv.attention.policy import GranikvPolicy, make_policy
 from granikv.attention.prefill import PrefillAttention
 from granikv.engine.engine import Engine
 from test_engine import check_no_leak, check_tokens, make_cfg, reference, workload
@@ -39,9 +40,9 @@ def flashinfer_engine(name: str, graph: bool, table=MIXED, **kw) -> Engine:
     if composed:
         opts["cascade_impl"] = "composed"
     if s.backend == "granikv":
-        be = GranikvBackend(*args, dispatcher=Dispatcher(*args, "t", table, mode=s.dispatch), **opts)
+        be = DecodeAttention(GranikvPolicy(Dispatcher(*args, "t", table, mode=s.dispatch)), *args, **opts)
     else:
-        be = BACKEND_CLASSES[s.backend](*args, **opts)
+        be = DecodeAttention(make_policy(s.backend), *args, **opts)
     be.rest_capacity = eng.backend.rest_capacity       # as Engine sets it (graph_rest_capacity)
     eng.backend = eng.runner.backend = be
     eng.prefill_attn = eng.runner.prefill_attn = PrefillAttention(*args, impl="flashinfer")
@@ -91,19 +92,24 @@ def _wave(n: int, lp: int = 60, seed: int = 3, first_rid: int = 200):
 
 
 def _trace_plans(eng) -> list[dict]:
-    """Record, per backend.plan() of the engine's decode steps: batch, pads, graph flag, key, full cover."""
-    be, seen = eng.backend, []
-    orig = be.plan
+    """Record, per plan (make_plan + load) of the engine's decode steps: batch, pads, graph flag, key, full cover."""
+    be, seen, planned = eng.backend, [], []
+    orig_make_plan, orig_load = be.make_plan, be.load
 
-    def plan(batch, graph=None):
-        # the runner hands plan() the host copy of kv_indptr (no device->host sync per step on the GPU)
+    def make_plan(batch):
+        # the runner hands the plan the host copy of kv_indptr (no device->host sync per step on the GPU)
         assert batch.kv_indptr_host is not None and torch.equal(batch.kv_indptr_host, batch.kv_indptr.cpu())
-        orig(batch, graph)
+        planned.append(batch)
+        return orig_make_plan(batch)
+
+    def load(step, graph=None):
+        orig_load(step, graph)
+        batch = planned[-1]
         ws = be._gpu.current
         seen.append({"bs": batch.batch_size, "npad": batch.num_pad, "graph": be.last_plan_graph, "key": be.graph_key(),
                      "choices": tuple(c.choice for c in be._plan.classes), "full_cover": getattr(ws, "full_cover", None),
                      "multilevel": ws.multilevel, "set_graph": ws.graph})
-    be.plan = plan
+    be.make_plan, be.load = make_plan, load
     return seen
 
 

@@ -1,1 +1,1 @@
-"""Attention: exact reference, FlashInfer wrappers, prefix backends and the per-step dispatcher."""
+"""Attention: exact reference, FlashInfer wrappers, prefix policies, step plans and decode attention."""

@@ -1,12 +1,13 @@
-"""The layout of one decode step that every prefix backend plans from (the engine builds it).
+"""The layout of one decode step that decode attention plans from (the engine builds it).
 
-Contract between the engine and the backends: plan once per step from a :class:`DecodeBatch`,
-then run once per layer on that layer's K/V buffers (FlashInfer's plan/run split).
+Contract between a host (the engine, or SGLang through the plugin) and
+granikv.attention.decode.DecodeAttention: plan once per step from a :class:`DecodeBatch`, then run
+once per layer on that layer's K/V buffers (FlashInfer's plan/run split).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Optional
 
 import torch
 
@@ -39,23 +40,6 @@ class DecodeBatch:
     @property
     def batch_size(self) -> int:
         return len(self.prefix_lens)
-
-
-class PrefixBackend(Protocol):
-    """A decode-attention backend: ``plan`` once per step, ``run`` once per layer.
-
-    run(q [B, Hq, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D]) -> o [B, Hq, D]
-    ``last_decisions`` describes what the last plan chose (per class), for the step trace.
-    ``graph`` (FlashInfer path): False = this step runs eagerly, not from a CUDA graph, even on a
-    backend built with ``cuda_graph=True``; None = the backend's ``cuda_graph`` setting.
-    """
-
-    name: str
-    last_decisions: list[dict]
-
-    def plan(self, batch: DecodeBatch, graph: Optional[bool] = None) -> None: ...
-
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor: ...
 
 
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -7,18 +7,20 @@ the batch, so they are never recomputed.
 
 Decode: one token per running request. The slot table ``rows x max_len`` (SGLang's
 req_to_token) lives on the device; each step's ``kv_indices`` is gathered from it with no host
-sync, the backend is planned once (outside any graph), then the model runs per layer. Batches
-up to ``cuda_graph_max_bs`` are padded to the next captured size (pad rows are 1-token rows on one
-scratch slot, as in SGLang; for every backend that splits prefix classes off (all but ``paged``),
-pad rows join the batch's single prefix class when there is one: the batch-global cascade needs a
-prefix common to every row, and a class covering the whole padded batch keeps graph_key() a
-function of the padded size and the other backends on their no-gather full-cover path; the
-backends decide on real rows only, ``DecodeBatch.num_pad``) and replayed from a CUDA graph
-captured lazily per (padded size, backend.graph_key()); larger batches, CPU runs and backends that
-declare ``graph_safe = False`` run eagerly (planned with ``graph=False``: one eager wrapper set).
-A key holding split-off prefix classes is captured at its ``capture_at``-th step and runs eagerly
-before (reason ``new_step_structure``): under eviction a multi-prefix batch changes structure almost
-every step, and capturing each once-seen structure costs far more than running it eagerly.
+sync, the decode attention (granikv.attention.decode) is planned once (outside any graph), then
+the model runs per layer. Batches up to ``cuda_graph_max_bs`` are padded to the next captured size
+(pad rows are 1-token rows on one scratch slot, as in SGLang; for every policy that splits prefix
+classes off (all but ``paged``), pad rows join the batch's single prefix class when there is one:
+the batch-global cascade needs a prefix common to every row, and a class covering the whole padded
+batch keeps the graph key a function of the padded size and the other policies on their no-gather
+full-cover path; policies decide on real rows only, ``DecodeBatch.num_pad``).
+
+Graph keying lives here: a step's CUDA graph is keyed by (padded size, the attention's
+``graph_key(step)``) and captured lazily; larger batches, CPU runs and attention that declares
+``graph_safe = False`` run eagerly (loaded with ``graph=False``: one eager wrapper set). A key
+holding split-off prefix classes is captured at its ``capture_at``-th step and runs eagerly before
+(reason ``new_step_structure``): under eviction a multi-prefix batch changes structure almost every
+step, and capturing each once-seen structure costs far more than running it eagerly.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from collections import OrderedDict
 import torch
 
 from granikv.attention.batch import DecodeBatch, to_device
+from granikv.attention.plan import StepPlan
 from granikv.engine.model import CausalLM
 from granikv.engine.scheduler import PrefillChunk, Seq, Storage
 from granikv.kv import KVCache
@@ -113,7 +116,7 @@ class ModelRunner:
         self.sizes = graph_sizes(cuda_graph_max_bs) if self.pad else []
         self.pad_row = max_rows           # table row of a 1-token pad request: [pad slot]
         self.pad_class_row = max_rows + 1  # pad rows inside the batch's one prefix class: [prefix slots, pad slot]
-        self.pad_into_class = getattr(backend, "name", "paged") in ("cascade", "dense", "hydragen", "granikv")
+        self.pad_into_class = backend.policy.splits
         self._pad_class = None            # Seq.order of the request whose prefix pad_class_row holds
         self.table = torch.zeros(max_rows + 2, max_len, dtype=torch.int64, device=self.device)  # [rows+2, max_len]
         self.graphs: OrderedDict[tuple, tuple] = OrderedDict()  # (padded bs, graph key) -> (graph, logits), LRU order
@@ -249,13 +252,13 @@ class ModelRunner:
             # device asynchronously; the previous step's copies must have run before they are overwritten
             self._plan_copied.synchronize()
         t_plan = time.perf_counter()
-        graph_shaped = bool(self.pad and self.sizes) and reason is None
-        if graph_shaped and self.capture_at > 1 and hasattr(self.backend, "graph_key_has_classes"):
-            self.backend.plan(batch, graph=lambda gkey: self._graph_ready((bs, gkey)))
-            if not self.backend.last_plan_graph:
+        step = self.backend.make_plan(batch)
+        graph = bool(self.pad and self.sizes) and reason is None
+        if graph and self.capture_at > 1:
+            graph = self._graph_ready(self._graph_key(bs, step), step)
+            if not graph:
                 reason = "new_step_structure"   # seen fewer than capture_at times
-        else:
-            self.backend.plan(batch, graph=graph_shaped)
+        self.backend.load(step, graph=graph)
         info["plan_us"] = (time.perf_counter() - t_plan) * 1e6
         info["dispatch_us"] = getattr(self.backend, "last_choose_us", 0.0)
         if self.device.type == "cuda":
@@ -264,7 +267,7 @@ class ModelRunner:
         if not self.use_graphs:
             reason = None
         if self.use_graphs and reason is None:
-            logits = self._replay(bs, ids, pos, slots)
+            logits = self._replay(self._graph_key(bs, step), ids, pos, slots)
             info["graph"] = True
         else:
             if reason is not None:
@@ -278,11 +281,16 @@ class ModelRunner:
         self.last_tok[rows[:n]] = toks
         return PendingTokens(toks), info
 
-    def _graph_ready(self, key: tuple) -> bool:
-        """Capture policy, asked during plan() with this step's (padded bs, graph key): True = replay (or
-        capture) a graph of it now; False = run it eagerly. Keys of the batch size alone, and keys
-        already captured, are always ready; a key with split-off classes at its ``capture_at``-th step."""
-        if key in self.graphs or not self.backend.graph_key_has_classes():
+    def _graph_key(self, bs: int, step: StepPlan) -> tuple:
+        """Which steps share a CUDA graph: (padded batch size, the attention's graph key of ``step``)."""
+        return (bs, self.backend.graph_key(step))
+
+    def _graph_ready(self, key: tuple, step: StepPlan) -> bool:
+        """Capture policy, asked between make_plan() and load() with this step's graph key: True =
+        replay (or capture) a graph of it now; False = run it eagerly. Keys of the batch size alone,
+        and keys already captured, are always ready; a key with split-off classes at its
+        ``capture_at``-th step."""
+        if key in self.graphs or not step.split:
             return True
         n = self._sightings.pop(key, 0) + 1
         if n >= self.capture_at:
@@ -292,11 +300,12 @@ class ModelRunner:
             self._sightings.popitem(last=False)
         return False
 
-    def _replay(self, bs: int, ids, pos, slots) -> torch.Tensor:
+    def _replay(self, key: tuple, ids, pos, slots) -> torch.Tensor:
+        """Replay the graph of ``key`` (a ``_graph_key``: padded size first), capturing it first if new."""
+        bs = key[0]
         self.ids_buf[:bs].copy_(ids)
         self.pos_buf[:bs].copy_(pos)
         self.slot_buf[:bs].copy_(slots)
-        key = (bs, self.backend.graph_key() if hasattr(self.backend, "graph_key") else None)
         if key not in self.graphs:
             self._evict_for_capture()
             t0 = time.perf_counter()

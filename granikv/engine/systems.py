@@ -1,10 +1,13 @@
-"""The systems under test as compositions of storage, prefix backend and dispatch (DESIGN.md).
+"""The systems under test as compositions of storage, prefix policy and dispatch (DESIGN.md).
 
-| system          | storage                      | backend   | dispatch            |
-| sglang_default  | paged (hot_fraction 0)       | paged     | none                |
-| sglang_cascade  | paged                        | cascade   | batch-global        |
-| hydragen        | paged                        | hydragen  | none                |
-| granikv         | HOT slab + COLD (0.2)        | granikv   | per class, by table |
+| system          | storage                      | backend = policy (granikv.attention.policy) | dispatch            |
+| sglang_default  | paged (hot_fraction 0)       | paged     PagedPolicy                       | none                |
+| sglang_cascade  | paged                        | cascade   BatchCascadePolicy                | batch-global        |
+| hydragen        | paged                        | hydragen  HydragenPolicy                    | none                |
+| granikv         | HOT slab + COLD (0.2)        | granikv   GranikvPolicy (table dispatcher)  | per class, by table |
+
+Every system runs one decode attention (granikv.attention.decode.DecodeAttention): the systems
+differ in the policy's ``choose`` alone.
 
 These presets and ``conf/system/<name>.yaml`` (what ``runners.run`` composes) must agree field
 for field; ``tests/test_config.py`` checks it. Ablations are settings of the same parts, never new code paths: ``granikv`` with
@@ -57,11 +60,11 @@ def validate(system: SystemConfig) -> None:
 
 def build_backend(system: SystemConfig, model: ModelConfig, hw: HardwareConfig, tp: int,
                   device: torch.device, dtype: torch.dtype, cuda_graph: bool):
-    """The system's decode prefix backend for this TP rank's heads (ATTN's ``make_backend``).
+    """The system's DecodeAttention for this TP rank's heads (granikv.attention.decode.make_backend).
 
     granikv's dispatcher reads ``hardware.decision_table`` for this GPU and per-rank shape.
     """
-    from granikv.attention.backends import make_backend
+    from granikv.attention.decode import make_backend
 
     validate(system)
     hq, hkv = model.num_heads // tp, model.num_kv_heads // tp

@@ -1,0 +1,159 @@
+"""The typed plan of one decode step: prefix classes, the path of each, the rest-of-request slots.
+
+Every path rests on one exact decomposition (by the LSE merge):
+
+    attention(q_i, prefix_i + rest_i) = merge(attention(q_i, prefix_i), attention(q_i, rest_i))
+
+Requests with equal ``prefix_id`` form a prefix class; a policy (granikv.attention.policy) picks a
+path per class. A class on a split-off path (cascade / dense / hydragen) has its prefix attended
+apart; every request's remaining slots (all of them on the paged path) go to ONE batch decode.
+
+``build_plan`` reads only a DecodeBatch (per-request KV slot ids, prefix lengths, ids and HOT
+starts: the engine's slot-table rows, or SGLang's ``req_to_token`` rows) and the policy: no KV
+cache object, no kernel. The plan is built once per step and read by every layer's run().
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from granikv.attention.batch import DecodeBatch, to_device
+from granikv.attention.policy import PATHS, PrefixPolicy
+
+
+@dataclass(slots=True)
+class ClassPlan:
+    """One prefix class of a step: its rows (request indices), prefix and chosen prefix path."""
+
+    prefix_id: int
+    rows: list[int]
+    prefix_len: int
+    hot_start: int                        # first HOT row of the prefix, -1 if not one HOT run
+    choice: str = "paged"                 # one of policy.PATHS
+    meff: int = 0                         # B_class * Hq/Hkv (query rows per kv head)
+    n_real: int = 0                       # rows that are requests (not CUDA-graph pad rows): decisions use it
+    row_start: int = -1                   # rows == range(row_start, row_start + B_class), else -1 (gathered)
+    slots: Optional[torch.Tensor] = None    # int64 [Lp] prefix slot ids on the device (view of kv_indices)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Everything run() needs, built once per step by ``build_plan``."""
+
+    batch_size: int
+    classes: list[ClassPlan]              # every prefix class, in order of first row
+    split: list[ClassPlan]                # the classes off the paged path, same order
+    rest_indptr: torch.Tensor             # int32 [B+1] (device)
+    rest_indices: torch.Tensor            # int32 [nnz_rest] (device)
+    rest_indptr_host: torch.Tensor        # int32 [B+1] (host copy, for FlashInfer's plan)
+    choose_us: float = 0.0                # host time of the policy's choices (the dispatcher's cost)
+
+    def structure(self) -> tuple:
+        """Per split class (choice, B_class, Lp, hot_start, row_start): what a captured run() of
+        this plan bakes in besides the batch size (the dense path reads the HOT slab at hot_start;
+        a class of contiguous rows is read and merged as the slice at row_start)."""
+        return tuple((c.choice, len(c.rows), c.prefix_len, c.hot_start, c.row_start) for c in self.split)
+
+    def decisions(self, group: int) -> list[dict]:
+        """The step trace: one dict per class (and one for the rows without a prefix)."""
+        out = [{"prefix_id": c.prefix_id, "batch": len(c.rows), "meff": c.meff, "prefix_len": c.prefix_len,
+                "hot": c.hot_start >= 0, "backend": c.choice} for c in self.classes]
+        nopfx = self.batch_size - sum(len(c.rows) for c in self.classes)
+        if nopfx:
+            out.append({"prefix_id": -1, "batch": nopfx, "meff": nopfx * group, "prefix_len": 0, "hot": False,
+                        "backend": "paged"})
+        return out
+
+
+def group_classes(batch: DecodeBatch) -> list[ClassPlan]:
+    """Group requests by ``prefix_id`` (>= 0 and prefix_len > 0); check members agree on the prefix."""
+    by_id: dict[int, ClassPlan] = {}
+    for i, (pid, lp, hs) in enumerate(zip(batch.prefix_ids, batch.prefix_lens, batch.hot_starts)):
+        if pid < 0 or lp <= 0:
+            continue
+        c = by_id.get(pid)
+        if c is None:
+            by_id[pid] = ClassPlan(pid, [i], int(lp), int(hs))
+        else:
+            if c.prefix_len != lp or c.hot_start != hs:
+                raise ValueError(f"DecodeBatch: requests {c.rows[0]} and {i} share prefix_id={pid} but have "
+                                 f"prefix_len {c.prefix_len} vs {lp} / hot_start {c.hot_start} vs {hs}; "
+                                 "equal prefix_id must mean identical prefix slots")
+            c.rows.append(i)
+    return list(by_id.values())
+
+
+def build_plan(batch: DecodeBatch, policy: PrefixPolicy, group: int) -> StepPlan:
+    """Group classes, let the policy choose each class's path, build the rest-of-request slot lists.
+
+    ``group`` = Hq/Hkv (Meff = B_class * group). Pad rows (the last ``batch.num_pad``) do not count
+    in the policy's decisions; in a class that goes ``paged`` they skip the prefix (1-token rows, as
+    SGLang pads), their outputs being unused. Host work plus one async host->device copy.
+    """
+    name = policy.name
+    b = batch.batch_size
+    if batch.kv_indptr.numel() != b + 1:
+        raise ValueError(f"{name}.plan: kv_indptr has {batch.kv_indptr.numel()} entries for {b} requests")
+    if not (len(batch.prefix_ids) == len(batch.hot_starts) == b):
+        raise ValueError(f"{name}.plan: prefix_lens/prefix_ids/hot_starts must all have {b} entries")
+    if not 0 <= batch.num_pad <= b:
+        raise ValueError(f"{name}.plan: num_pad={batch.num_pad} must be in [0, batch size {b}]")
+    if batch.kv_indptr_host is not None:
+        if batch.kv_indptr_host.device.type != "cpu" or batch.kv_indptr_host.numel() != b + 1:
+            raise ValueError(f"{name}.plan: kv_indptr_host must be a host tensor of {b + 1} entries "
+                             "(a copy of kv_indptr), or None")
+        indptr_h = batch.kv_indptr_host.to(torch.int64)           # [B+1] host, no device sync
+    else:
+        indptr_h = batch.kv_indptr.to("cpu", torch.int64)         # [B+1] (a device->host copy: a sync on GPU)
+    real = b - batch.num_pad                                      # rows >= real are padding
+    classes = group_classes(batch)
+    for c in classes:
+        c.meff = len(c.rows) * group
+        c.n_real = sum(1 for r in c.rows if r < real)
+        # rows ascend (batch order): contiguous iff they span exactly B_class rows; the FlashInfer
+        # path then reads q / writes o as slices instead of gathering and scattering
+        c.row_start = c.rows[0] if c.rows[-1] - c.rows[0] + 1 == len(c.rows) else -1
+    t_choose = time.perf_counter()
+    policy.choose(classes, b)
+    choose_us = (time.perf_counter() - t_choose) * 1e6            # the dispatcher's CPU time this step
+    # host lists, one tensor at the end: per-class tensor ops cost ~5 us each (k=64 classes)
+    skip_l = [0] * b
+    ip = indptr_h.tolist()
+    split = []
+    for c in classes:
+        if c.choice not in PATHS:
+            raise ValueError(f"{name}: unknown prefix path '{c.choice}' for prefix_id={c.prefix_id}")
+        if c.choice == "dense" and c.hot_start < 0:
+            raise ValueError(f"{name}: prefix_id={c.prefix_id} chose dense but has no HOT run (hot_start=-1)")
+        if c.choice == "paged":
+            for r in c.rows[c.n_real:]:                            # pad rows (last in the class): 1-token rows
+                skip_l[r] = c.prefix_len
+            continue
+        for r in c.rows:
+            skip_l[r] = c.prefix_len
+        s0 = ip[c.rows[0]]
+        c.slots = batch.kv_indices[s0:s0 + c.prefix_len]
+        split.append(c)
+    skip = torch.tensor(skip_l, dtype=torch.int64)
+    dev = batch.kv_indptr.device
+    lens = indptr_h[1:] - indptr_h[:-1]
+    if bool((lens < skip).any()):
+        raise ValueError(f"{name}.plan: a request has fewer KV slots than its prefix_len")
+    if not bool(skip.any()):
+        rest_indptr, rest_indices = batch.kv_indptr.int(), batch.kv_indices.int()
+        rest_indptr_h = indptr_h
+    else:
+        rest_lens = lens - skip
+        rest_indptr_h = torch.zeros(b + 1, dtype=torch.int64)
+        torch.cumsum(rest_lens, 0, out=rest_indptr_h[1:])
+        nnz = int(rest_indptr_h[-1])
+        # one async host->device copy (no stream sync: the overlap schedule plans while a step runs)
+        packed = to_device(torch.cat([indptr_h[:-1] + skip - rest_indptr_h[:-1], rest_lens, rest_indptr_h]), dev)
+        shift, rest_lens_d, rest_indptr_d = packed.split([b, b, b + 1])          # [B], [B], [B+1]
+        pos = torch.repeat_interleave(shift, rest_lens_d, output_size=nnz) + torch.arange(nnz, device=dev)
+        rest_indices = batch.kv_indices[pos].int()
+        rest_indptr = rest_indptr_d.int()
+    return StepPlan(b, classes, split, rest_indptr, rest_indices, rest_indptr_h.int(), choose_us)
