@@ -160,21 +160,25 @@ def paired(df: pd.DataFrame, config_cols: Iterable[str], num_sel: dict[str, str]
 
     Pairs match on every identity column except the overridden keys (overriding a ``system.``
     key frees all ``system.*`` columns and ``system``). Returns the identity columns of the
-    numerator plus ``num``, ``base``, ``ratio`` (= num / base, of rep means), ``n_num``, ``n_base``.
+    numerator plus ``num``, ``base``, ``ratio`` (= num / base, of rep means), ``n_num``, ``n_base``
+    and the repetitions' extremes ``num_min``, ``num_max``, ``base_min``, ``base_max``.
     """
     ids = identity(df, config_cols) + (["system"] if "system" in df.columns else [])
     free = set(base_over)
     if any(k.startswith("system") for k in free):
         free |= {c for c in ids if c.startswith("system")}
     keys = [c for c in ids if c not in free]
+    cols = ids + ["num", "base", "ratio", "n_num", "n_base", "num_min", "num_max", "base_min", "base_max"]
     num = aggregate(select(df, num_sel), ids, metric)
     base = aggregate(select(df, {**num_sel, **base_over}), ids, metric)
     if num.empty or base.empty:
-        return pd.DataFrame(columns=ids + ["num", "base", "ratio", "n_num", "n_base"])
-    base = base.groupby(keys, dropna=False, sort=True).agg(base=("mean", "mean"), n_base=("n", "sum")).reset_index()
-    out = num.rename(columns={"mean": "num", "n": "n_num"}).merge(base, on=keys, how="inner")
+        return pd.DataFrame(columns=cols)
+    base = base.groupby(keys, dropna=False, sort=True).agg(base=("mean", "mean"), n_base=("n", "sum"),
+                                                           base_min=("min", "min"), base_max=("max", "max")).reset_index()
+    out = num.rename(columns={"mean": "num", "n": "n_num", "min": "num_min", "max": "num_max"}).merge(base, on=keys,
+                                                                                                   how="inner")
     out["ratio"] = out["num"] / out["base"]
-    return out[ids + ["num", "base", "ratio", "n_num", "n_base"]].reset_index(drop=True)
+    return out[cols].reset_index(drop=True)
 
 
 def geomean(x: Iterable[float]) -> float:
@@ -208,12 +212,16 @@ def system_table(cells: pd.DataFrame, config_cols: list[str], sel: dict[str, str
     """Per (dims, system): rep mean/sd/min/max/n of ``metric``, ratios to sglang_default and
     sglang_cascade in the same configuration, TPOT p50 and TTFT p50 (rep means); plus a
     ``not measured`` row for every expected (dims, system) combination without a cell (measured
-    cells outside the expected grid are kept as they are). Instrumented cells are left out.
+    cells outside the expected grid are kept as they are). Instrumented cells are left out, and so
+    are the cells of systems not in ``systems``.
 
     Config keys that vary inside the selection but are not in ``dims`` (e.g. hardware presets)
     are added as extra columns, so two different configurations are never pooled.
     """
     df = select(with_derived(cells), {**sel, "instrumented": "=False"}) if not cells.empty else cells
+    systems = tuple(systems)
+    if not df.empty:     # another system's cells in the same sweep folder (e.g. a server run beside the engine's)
+        df = df[df["system"].isin(systems)]
     ids = identity(df, config_cols)
     implied = {"config": ("model.", "tp")}  # dims standing for several config keys
     covered = tuple(p for d in dims for p in implied.get(d, ()))
@@ -306,13 +314,17 @@ def write_table(df: pd.DataFrame, name: str, out: Path, digits: dict[str, int] |
     return text
 
 
-def save_figure(fig, name: str, out: Path) -> None:
-    """Write ``out/figures/<name>.png`` and ``.pdf`` (no timestamps in the PDF) and close ``fig``."""
+def save_figure(fig, name: str, out: Path, data: pd.DataFrame | None = None) -> None:
+    """Write ``out/figures/<name>.png`` and ``.pdf`` (no timestamps in the PDF) and close ``fig``;
+    ``data``: the values drawn, written beside them as ``<name>.csv`` (fixed formatting)."""
     fdir = Path(out) / "figures"
     fdir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(fdir / f"{name}.png", dpi=120, bbox_inches="tight")
+    fig.savefig(fdir / f"{name}.png", dpi=130, bbox_inches="tight")
     fig.savefig(fdir / f"{name}.pdf", bbox_inches="tight", metadata={"CreationDate": None, "ModDate": None})
     plt.close(fig)
+    if data is not None:
+        text = pd.DataFrame({c: [fmt(v, 4) for v in data[c]] for c in data.columns}, columns=list(data.columns))
+        text.to_csv(fdir / f"{name}.csv", index=False, lineterminator="\n")
 
 
 def placeholder_figure(name: str, out: Path, why: str) -> None:

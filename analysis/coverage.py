@@ -31,7 +31,7 @@ import pandas as pd
 
 from analysis.clean import all_cells
 from analysis.common import write_table
-from analysis.load import Results, load_results
+from analysis.load import ADDED_CONFIG_DEFAULTS, Results, load_results
 from runners.campaign import CampaignItem, PlannedCell, expand, load_campaign
 
 NAME = "coverage"
@@ -75,7 +75,8 @@ def settings_diff(row: pd.Series, cell: PlannedCell) -> dict[str, str]:
     """The settings a finished cell ran with that differ from today's preset: key -> "then -> now"."""
     out = {}
     for k, now in cell.settings.items():
-        then = row[k] if k in row.index else None
+        # a key no finished cell has yet was added after them: they ran its default
+        then = row[k] if k in row.index else ADDED_CONFIG_DEFAULTS.get(k)
         if _norm(then) != _norm(now):
             out[k] = f"{_shown(then)} -> {_shown(now)}"
     return out
@@ -184,7 +185,7 @@ def lines(t: pd.DataFrame) -> list[str]:
     """One line per item for REPORT.md and the CLI."""
     out = []
     for _, r in t.iterrows():
-        s = (f"`{r['item']}` (issue #{r['issue']}, {r['gpus']} GPU{'s' if r['gpus'] > 1 else ''}; {r['what']}): "
+        s = (f"`{r['item']}` ({r['gpus']} GPU{'s' if r['gpus'] > 1 else ''}; {r['what']}): "
              f"{r['measured'] + r['other_settings']} of {r['planned']} cells measured")
         if r["other_settings"]:
             s += f" ({r['other_settings']} with settings since changed: {r['settings_then_now']})"

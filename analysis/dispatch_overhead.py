@@ -5,7 +5,7 @@ decode step's wall time.
   (steps.jsonl ``step_time_s``) of every serving cell of a dispatching system (granikv,
   granikv_dense_only; the ``dispatch_overhead`` sweep, headline, grid, ...);
 - dispatcher CPU time: the step's own ``dispatch_us`` when the engine records it (the host time of
-  ``GranikvBackend._choose`` in the step's plan: table lookups and writing the choices into the
+  ``GranikvPolicy.choose`` in the step's plan: table lookups and writing the choices into the
   class plans; mean and p50 over the decode steps), else the kernel bench's ``dispatch_cost`` cell
   (``Dispatcher.choose_many`` alone for one prefix class in a tight loop, which is faster than
   the same code inside a running engine). ``bench_lookup_us`` (that cell) and ``plan_us_cpu``
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import matplotlib
 import numpy as np
 import pandas as pd
 
@@ -25,6 +26,9 @@ from analysis.common import NOT_MEASURED, placeholder_figure, plt, save_figure, 
 from analysis.load import Results, load_steps
 
 NAME = "dispatch_overhead"
+# boxplot's horizontal switch: `orientation` from matplotlib 3.10 on, `vert` (deprecated there) before
+HORIZONTAL = {"orientation": "horizontal"} if tuple(int(x) for x in matplotlib.__version__.split(".")[:2]) >= (3, 10) \
+    else {"vert": False}
 FIGURES = (NAME,)
 SELECT = {"kind": "=serving", "system.name": "~granikv"}
 
@@ -66,6 +70,8 @@ def overhead_frame(res: Results) -> pd.DataFrame:
 def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     """Write this module's table (and, unless ``figures`` is False, its figures); return the table."""
     t = overhead_frame(res)
+    from analysis.plots import gpu_names
+    gpu = gpu_names(t)
     cols = ["config", "sweep", "workload.kind", "workload.prefix_len", "workload.batch", "system", "cell_id",
             "commit", "decode_steps", "step_ms_mean", "dispatch_us", "dispatch_us_p50", "dispatch_from", "bench_lookup_us",
             "plan_us_cpu", "share_pct", "status"]
@@ -93,11 +99,37 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     if m.empty:
         placeholder_figure(NAME, out, "no dispatch_overhead cells with dispatcher and step timings")
         return t
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.bar([f"{s}\n{str(c)[-12:]}" for s, c in zip(m["system"], m["cell_id"])], m["share_pct"])
-    ax.axhline(0.2, color="r", ls="--", lw=0.8, label="paper bound 0.2%")
-    ax.set_ylabel("dispatcher share of decode step (%)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    save_figure(fig, NAME, out)
+    draw(m, out, gpu)
     return t
+
+
+def draw(m: pd.DataFrame, out: Path, gpu: str) -> None:
+    """Per sweep folder (one box per sweep, the GraniKV serving cells in it): the dispatcher's share of the
+    decode step and its CPU time per step, each with the paper's bound."""
+    from analysis.plots import PAPER_LABEL, paper_claims, title_of
+    sweeps = sorted(m["sweep"].astype(str).unique(), key=lambda x: (-int((m["sweep"] == x).sum()), x))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 0.42 * len(sweeps) + 1.6), sharey=True)
+    for ax, col in ((a1, "share_pct"), (a2, "dispatch_us")):
+        data = [pd.to_numeric(m.loc[m["sweep"] == s_, col], errors="coerce").dropna().to_numpy() for s_ in sweeps]
+        ax.boxplot(data, widths=0.6, showfliers=True, flierprops={"markersize": 3}, **HORIZONTAL)
+        ax.set_yticks(range(1, len(sweeps) + 1), [f"{s_} ({len(d)})" for s_, d in zip(sweeps, data)], fontsize=7)
+        ax.set_xscale("log")
+    pc = paper_claims(["dispatch_overhead_share", "dispatch_overhead_cpu"]).set_index("id")
+    if "dispatch_overhead_share" in pc.index:
+        a1.axvline(pc.loc["dispatch_overhead_share", "value"], color="black", ls=":", lw=1.4,
+                   label=f"{PAPER_LABEL}: < {pc.loc['dispatch_overhead_share', 'value']:g}%")
+    if "dispatch_overhead_cpu" in pc.index:
+        a2.axvline(pc.loc["dispatch_overhead_cpu", "value"], color="black", ls=":", lw=1.4,
+                   label=f"{PAPER_LABEL}: < {pc.loc['dispatch_overhead_cpu', 'value']:g} us")
+    a1.set_xlabel("dispatcher time / mean decode step (%, log)")
+    a2.set_xlabel("dispatcher CPU time per decode step (us, mean over steps; log)")
+    a1.set_title("share of the decode step", fontsize=9)
+    a2.set_title("CPU time per step", fontsize=9)
+    for ax in (a1, a2):
+        ax.legend(fontsize=7, loc="lower right")
+    configs = sorted(m["config"].dropna().astype(str).unique()) if "config" in m.columns else []
+    fig.suptitle(title_of("Dispatcher cost per decode step, every GraniKV serving cell (cells per sweep in brackets)",
+                          gpu, configs), fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, NAME, out, data=m[["config", "sweep", "cell_id", "system", "decode_steps", "step_ms_mean",
+                                        "dispatch_us", "share_pct"]])

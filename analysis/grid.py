@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.common import GRID_B, LPS, PAPER_CONFIG_LABELS, rename_short, system_table, write_table
+from analysis.common import GRID_B, LPS, PAPER_CONFIG_LABELS, rename_short, select, system_table, write_table
 from analysis.headline import DIGITS
 from analysis.load import Results
-from analysis.plots import lines_vs, ratio_heatmaps
+from analysis.plots import gpu_names, lines_vs, ratio_heatmaps
 
 NAME = "grid"
 FIGURES = ("grid_ratio_heatmap", "grid_throughput")
@@ -30,9 +30,11 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
                 note="mean/sd/min/max over repetitions (n); ratios of rep means; TPOT/TTFT p50 in ms (rep means).")
     if not figures:
         return t
+    gpu = gpu_names(select(res.cells, SELECT) if not res.cells.empty else res.cells)
     ratio_heatmaps(t, "grid_ratio_heatmap", out, "workload.prefix_len", "workload.batch", ["config"],
-                   systems=("granikv", "sglang_cascade", "hydragen"),
-                   title="Synthetic grid: output throughput / sglang_default (rows Lp, columns B)")
+                   systems=("granikv", "sglang_cascade", "hydragen"), gpu=gpu,
+                   cbar_label="output throughput / sglang_default",
+                   title="Synthetic grid: output throughput over SGLang default (rows Lp, columns B)")
     lines_vs(t[t["workload.batch"] == 256] if not t.empty else t, "grid_throughput", out, "workload.prefix_len",
-             ["config"], title="Synthetic grid, B=256: output tok/s vs Lp")
+             ["config"], gpu=gpu, title="Synthetic grid, B=256: output tok/s vs Lp")
     return t

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.common import LPS, PAPER_CONFIG_LABELS, rename_short, system_table, write_table
+from analysis.common import LPS, PAPER_CONFIG_LABELS, THROUGHPUT, rename_short, select, system_table, write_table
 from analysis.load import Results
-from analysis.plots import lines_vs
+from analysis.plots import gpu_names, lines_vs, paper_claims
 
 NAME = "headline"
 FIGURES = ("headline_throughput", "headline_ratio")
@@ -28,7 +28,19 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
                 note="mean/sd/min/max over repetitions (n); ratios of rep means in the same configuration.")
     if not figures:
         return t
-    lines_vs(t, "headline_throughput", out, "workload.prefix_len", ["config"], title="Output throughput vs Lp (B=256)")
+    gpu = gpu_names(select(res.cells, SELECT) if not res.cells.empty else res.cells)
+    lines_vs(t, "headline_throughput", out, "workload.prefix_len", ["config"], gpu=gpu,
+             title="Headline (ShareGPT + shared prefix, B=256): output tok/s vs Lp")
     lines_vs(t, "headline_ratio", out, "workload.prefix_len", ["config"], value="ratio_vs_sglang_default",
-             ylabel="x sglang_default", title="Throughput ratio to sglang_default vs Lp (B=256)")
+             ylabel="output throughput / sglang_default", skip_systems=("sglang_default",), hline=1.0, gpu=gpu,
+             paper=paper_points(), title="Headline (B=256): throughput over SGLang default vs Lp")
     return t
+
+
+def paper_points():
+    """The paper's headline ratios over SGLang default (Lp=16K) and parity bounds (Lp=512), per config."""
+    c = paper_claims()
+    c = c[(c["system"] == "granikv") & (c["base_system"] == "sglang_default") & (c["batch"] == 256)
+          & (c["workload"] == "sharegpt") & (c["metric"] == THROUGHPUT)
+          & c["lp"].notna() & c["check"].isin(("point", "bound_ge")) & c["k"].eq(1)]
+    return c.assign(x=c["lp"])

@@ -25,6 +25,7 @@ import pandas as pd
 from analysis.common import LPS, PAPER_CONFIG_LABELS, select, sort_rows, system_table, with_derived, write_table
 from analysis.headline import SELECT
 from analysis.load import Results, SchemaError, load_steps
+from granikv.config import SYSTEMS
 
 NAME = "headline_steps"
 FIGURES: tuple[str, ...] = ()
@@ -60,6 +61,7 @@ def cell_steps(path: str | Path, batch: int) -> dict:
 def breakdown(res: Results) -> pd.DataFrame:
     """One row per headline cell (repetitions averaged), with ratios to sglang_default."""
     cells = select(with_derived(res.cells), SELECT)
+    cells = cells[cells["system"].isin(SYSTEMS)] if not cells.empty else cells   # the four systems of the paper
     if cells.empty:
         return pd.DataFrame(columns=KEYS + COLS)
     rows = []

@@ -19,7 +19,8 @@ the requests of one launch read the same prefix pages and part of them come from
 fit's rows (kind ``calibration_fit``: the per-point times copied from the calibration cells the
 fit read) are not repeated here.
 
-Writes tables/kernel.{csv,md} and figures/kernel_roofline.{png,pdf}.
+Writes tables/kernel.{csv,md} and figures/kernel_roofline.{png,pdf,csv} (the roofline of every row, and the
+storage-layout speed-up per Lp against the paper's 15.6x).
 """
 from __future__ import annotations
 
@@ -137,15 +138,21 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
 
 
 def roofline(t: pd.DataFrame, keys: list[str], out: Path) -> None:
-    """Achieved TFLOP/s vs arithmetic intensity, one marker per kernel row, with the roof."""
+    """Left: achieved TFLOP/s vs arithmetic intensity, one marker per kernel row, with the roof. Right: the
+    storage-layout speed-up (paged-equivalent over HOT layout, per Lp and head shape) on a log axis, with
+    the paper's value."""
+    from analysis.plots import PAPER_LABEL, lp_axis, paper_claims, title_of
     d = t[t["tflops"].notna() & t["intensity"].notna()] if "tflops" in t.columns else t.iloc[0:0]
     if d.empty:
         placeholder_figure("kernel_roofline", out, "kernel rows carry no flops/bytes: roofline not measured")
         return
     hue = "k.backend" if "k.backend" in d.columns else None
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    for lab, g in (d.groupby(hue, sort=True) if hue else [("kernel", d)]):
-        ax.scatter(g["intensity"], g["tflops"], label=str(lab), s=22)
+    fig, (ax, a2) = plt.subplots(1, 2, figsize=(11.5, 4.4), gridspec_kw={"width_ratios": [1.3, 1]})
+    groups = list(d.groupby(hue, sort=True)) if hue else [("kernel", d)]
+    markers = "osD^v<>"
+    for i, (lab, g) in enumerate(groups):   # a colour and marker of its own per backend / variant
+        ax.scatter(g["intensity"], g["tflops"], label=str(lab), s=16, color=plt.cm.tab20(i % 20),
+                   marker=markers[i % len(markers)], alpha=0.85)
     pk = d[["peak_tflops", "peak_tbps"]].dropna()
     if not pk.empty:
         pt, pb = float(pk["peak_tflops"].iloc[0]), float(pk["peak_tbps"].iloc[0])
@@ -155,11 +162,46 @@ def roofline(t: pd.DataFrame, keys: list[str], out: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP / HBM byte)")
     ax.set_ylabel("achieved TFLOP/s")
-    ax.set_title(f"Roofline ({', '.join(sorted(d['provenance.gpu_name'].dropna().astype(str).unique())) or 'gpu ?'})"
-                 if "provenance.gpu_name" in d.columns else "Roofline")
-    ax.legend(fontsize=6, title=hue[2:] if hue else None)
+    ax.set_title("roofline, every kernel row", fontsize=9)
+    ax.legend(fontsize=6, title=hue[2:] if hue else None, title_fontsize=6, ncol=2)
+    lay = t[(t.get("cell.kind") == "layout")] if "cell.kind" in t.columns else t.iloc[0:0]
+    rows = []
+    if not lay.empty:
+        for (shape, lp), g in lay.groupby(["cell.shape.name", "cell.prefix_len"], sort=True):
+            tm = g.set_index("k.backend")["time_us_mean"]
+            if "contiguous_dense" not in tm.index:
+                continue
+            for v in ("paged_unique_prefill", "paged_unique_decode"):
+                if v in tm.index:
+                    rows.append({"shape": shape, "workload.prefix_len": lp, "variant": v,
+                                 "speedup": float(tm[v] / tm["contiguous_dense"])})
+    sp = pd.DataFrame(rows)
+    if not sp.empty:
+        for (shape, v), g in sp.groupby(["shape", "variant"], sort=True):
+            g = g.sort_values("workload.prefix_len")
+            a2.plot(g["workload.prefix_len"], g["speedup"], marker="o",
+                    ls="-" if v.endswith("prefill") else "--",
+                    label=f"{shape}: {v.replace('paged_unique_', 'paged copies, ')} kernel / HOT")
+        paper = paper_claims(["kernel_storage_layout"])
+        if not paper.empty:
+            a2.axhline(paper["value"].iloc[0], color="black", ls=":", lw=1.4, label=f"{PAPER_LABEL}: {paper['value'].iloc[0]:g}x")
+        a2.set_yscale("log")
+        lp_axis(a2, sp["workload.prefix_len"])
+        a2.set_xlabel("Lp")
+        a2.set_ylabel("time, paged-equivalent / HOT layout (log)")
+        a2.set_title("storage layout alone (B=256): speed-up of the HOT slab", fontsize=9)
+        a2.legend(fontsize=6)
+    else:
+        a2.axis("off")
+    gpus = sorted(d["provenance.gpu_name"].dropna().astype(str).unique()) if "provenance.gpu_name" in d.columns else []
+    shapes = sorted(d["cell.shape.name"].dropna().astype(str).unique()) if "cell.shape.name" in d.columns else []
+    fig.suptitle(title_of("Attention-layer microbenchmark (one layer per TP rank)", ", ".join(gpus) or "GPU ?",
+                          [f"shapes {', '.join(shapes)}"] if shapes else []), fontsize=10)
     fig.tight_layout()
-    save_figure(fig, "kernel_roofline", out)
+    data = d[[c for c in ("provenance.gpu_name", "cell.kind", "cell.shape.name", "cell.prefix_len", "cell.batch",
+                          "k.backend", "intensity", "tflops") if c in d.columns]]
+    save_figure(fig, "kernel_roofline", out, data=pd.concat([data.assign(panel="roofline"),
+                                                            sp.assign(panel="layout speed-up")], ignore_index=True))
 
 
 # the paper's storage-layout comparison: the fixed dense prefix kernel (non-causal prefill) on

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.common import PAPER_CONFIG_LABELS, placeholder_figure, plt, rename_short, save_figure, system_table, write_table
+from analysis.common import (PAPER_CONFIG_LABELS, placeholder_figure, plt, rename_short, save_figure, select, show,
+                             system_table, write_table)
 from analysis.headline import DIGITS
 from analysis.load import Results
 
@@ -32,16 +33,32 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     if g.empty:
         placeholder_figure(NAME, out, "no GraniKV cell at Lp=512, B>=256 with a sglang_default twin")
         return t
-    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    from analysis.plots import gpu_names, mark_paper, paper_claims, title_of
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for (kind, cfg), gs in g.groupby(["workload.kind", "config"], sort=True):
         gs = gs.sort_values("workload.batch")
-        ax.plot(gs["workload.batch"].astype(float), gs["ratio_vs_sglang_default"], marker="o", label=f"{kind}, {cfg}")
-    ax.axhline(1.0, color="grey", lw=0.8)
+        ax.plot(gs["workload.batch"].astype(float), gs["ratio_vs_sglang_default"], marker="o", label=f"{cfg} ({kind})")
+    pc = paper_claims()
+    pc = pc[(pc["lp"] == 512) & (pc["system"] == "granikv") & (pc["base_system"] == "sglang_default")
+            & pc["batch"].notna() & pc["config"].isin(set(g["config"]))]
+    labelled = set()
+    for _, p in pc.iterrows():
+        bound = p["check"] if p["check"] in ("bound_ge", "bound_le") else None
+        mark_paper(ax, p["batch"], p["value"], label=bound not in labelled, bound=bound)
+        if not bound:    # the parity bounds (one per config at B=256) share one point: the legend names them
+            ax.annotate(p["config"], (p["batch"], p["value"]), textcoords="offset points", xytext=(6, -3), fontsize=6)
+        labelled.add(bound)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    bs = sorted(set(g["workload.batch"].astype(float)) | set(pc["batch"]))
     ax.set_xscale("log", base=2)
+    ax.set_xticks(bs, [show(b) for b in bs])
+    ax.minorticks_off()
     ax.set_xlabel("B")
-    ax.set_ylabel("GraniKV / sglang_default")
-    ax.set_title("Lp=512: GraniKV throughput ratio vs batch")
+    ax.set_ylabel("GraniKV / sglang_default output throughput")
     ax.legend(fontsize=7)
+    cells = select(res.cells, SELECT) if not res.cells.empty else res.cells
+    ax.set_title(title_of("Limitation cells, Lp=512", gpu_names(cells), sorted(g["config"].unique())), fontsize=9)
     fig.tight_layout()
-    save_figure(fig, NAME, out)
+    save_figure(fig, NAME, out, data=g[["workload.kind", "config", "workload.batch", "system", "n", "mean",
+                                        "ratio_vs_sglang_default"]])
     return t

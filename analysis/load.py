@@ -197,7 +197,7 @@ def _load_cell(root: Path, cell: Path) -> tuple[str, dict, list[dict], list[str]
 # configuration group together instead of splitting on a missing value
 ADDED_CONFIG_DEFAULTS = {"system.cascade_impl": "multilevel", "hardware.allreduce": "nccl",
                          "hardware.allreduce_symm_max_mib": 8.0, "hardware.cuda_graph_max_graphs": 0,
-                         "hardware.cuda_graph_capture_at": 1}
+                         "hardware.cuda_graph_capture_at": 1, "system.engine": "granikv"}
 
 
 def load_results(root: str | Path = "results/raw") -> Results:
@@ -205,13 +205,23 @@ def load_results(root: str | Path = "results/raw") -> Results:
     root = Path(root)
     done, failed, kernels = [], [], []
     config_cols: set[str] = set()
+    serving_cols: set[str] = set()
     kernel_cols: set[str] = set()
     for cell in find_cells(root) if root.exists() else []:
         state, row, krows, keys = _load_cell(root, cell)
         (done if state == "done" else failed).append(row)
         kernels.extend(krows)
         config_cols.update(keys)
+        if state == "done" and row.get("kind") == "serving":
+            serving_cols.update(keys)
         kernel_cols.update(k for r in krows for k in r if k.startswith("k."))
+    # a serving cell's metric named like another kind's config key (the engine's stats `device`, `dtype`,
+    # kernel cells' config keys) is a metric there, not a configuration: kept as `metrics.<key>`, so that
+    # cells of two engines (one reporting such a stat, one not) still pair on their configurations
+    for row in done:
+        if row.get("kind") == "serving":
+            for k in [k for k in row if k in config_cols and k not in serving_cols]:
+                row[f"metrics.{k}"] = row.pop(k)
     cells = pd.DataFrame(done)
     if not cells.empty:
         cells = cells.sort_values(["sweep", "cell_id"], kind="stable").reset_index(drop=True)

@@ -2,7 +2,8 @@
 heterogeneous lengths k in {4, 8}; output tok/s per system, ratios to sglang_default and
 sglang_cascade, and (uniform) each system's throughput relative to its own k=1.
 
-Writes tables/multiprefix.{csv,md} and figures/multiprefix.{png,pdf}.
+Writes tables/multiprefix.{csv,md} and figures/multiprefix.{png,pdf,csv} (tok/s per k on a log axis where it
+spans a decade, and the ratio to sglang_default with the paper's values).
 """
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import seaborn as sns
 
-from analysis.common import NOT_MEASURED, placeholder_figure, plt, rename_short, save_figure, system_table, with_derived, write_table
+from analysis.common import (NOT_MEASURED, placeholder_figure, plt, rename_short, save_figure, select, system_table,
+                             with_derived, write_table)
 from analysis.headline import DIGITS
 from analysis.load import Results
-from analysis.plots import system_colors, system_order
+from analysis.plots import PAPER_LABEL, gpu_names, mark_paper, paper_claims, system_colors, system_order, title_of
 
 NAME = "multiprefix"
 FIGURES = (NAME,)
@@ -57,21 +58,87 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     if m.empty:
         placeholder_figure(NAME, out, f"{NOT_MEASURED}: no multiprefix cells")
         return t
-    # one panel per (mode, config, KV-budget preset, ...): heterogeneous k=4 and k=8 share a panel (their
-    # length lists differ); a key column empty for one kind of cell (NaN) must not drop its panel
+    draw(res, m, keys, out)
+    return t
+
+
+def _bars(ax, g: pd.DataFrame, value: str, systems: list[str], colors: dict, ks: list[int]) -> dict:
+    """Grouped bars of ``value`` per k (groups) and system (bars); returns {(system, k): x position}."""
+    width = 0.8 / max(len(systems), 1)
+    pos = {}
+    for j, s in enumerate(systems):
+        gs = g[g["system"] == s]
+        xs, ys = [], []
+        for i, k in enumerate(ks):
+            v = gs.loc[gs["workload.num_prefixes"] == k, value]
+            x = i - 0.4 + width * (j + 0.5)
+            pos[(s, k)] = x
+            if len(v) and np.isfinite(float(v.iloc[0])):
+                xs.append(x)
+                ys.append(float(v.iloc[0]))
+        ax.bar(xs, ys, width, label=s, color=colors[s])
+    ax.set_xticks(range(len(ks)), [str(k) for k in ks])
+    ax.set_xlabel("k (distinct shared prefixes)")
+    return pos
+
+
+def draw(res: Results, m: pd.DataFrame, keys: list[str], out: Path) -> None:
+    """Per (mode, config, KV-budget preset): output tok/s per k and system on a log axis (the k=64 cells
+    are 10-30x below k=1), and each system's throughput over SGLang default, with the paper's values."""
     by = ["mode", "config"] + [c for c in keys if c not in ("mode", "config", "system", "workload.prefix_lens")]
     panels = list(m.groupby(by, dropna=False, sort=True))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.4), squeeze=False)
+    paper = paper_claims()
+    paper = paper[paper["id"].str.startswith("multiprefix")]
+    n = len(panels)
+    fig, axes = plt.subplots(2, n, figsize=(4.3 * n, 6.4), squeeze=False)
     colors = system_colors(m["system"].unique())
-    for ax, (key, g) in zip(axes.flat, panels):
-        sns.barplot(data=g.assign(k=g["workload.num_prefixes"].astype(int)), x="k", y="mean", hue="system", ax=ax,
-                    hue_order=system_order(g["system"].unique()), palette=colors)
-        ax.set_ylabel("output tok/s")
-        ax.set_title(", ".join(map(str, key if isinstance(key, tuple) else (key,))), fontsize=8)
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    save_figure(fig, NAME, out)
-    return t
+    drawn = []
+    for col, (key, g) in enumerate(panels):
+        key = dict(zip(by, key if isinstance(key, tuple) else (key,)))
+        ks = sorted(int(k) for k in g["workload.num_prefixes"].unique())
+        systems = system_order(g["system"].unique())
+        g = g.assign(**{"workload.num_prefixes": g["workload.num_prefixes"].astype(int)})
+        top, bot = axes[0, col], axes[1, col]
+        pos = _bars(top, g, "mean", systems, colors, ks)
+        v = pd.to_numeric(g["mean"], errors="coerce").dropna()
+        if len(v) and v.max() / max(v.min(), 1e-9) >= 10:       # spans a decade or more (k=64): log axis
+            top.set_yscale("log")
+            top.set_ylim(10 ** np.floor(np.log10(v.min() / 2)), v.max() * 2)
+            top.set_ylabel("output tok/s (log scale)")
+        else:
+            top.set_ylabel("output tok/s")
+        budget = key.get("hardware.name")
+        top.set_title(f"{key['mode']}, {key['config']}, KV budget {budget}", fontsize=9)
+        others = [s for s in systems if s != "sglang_default"]
+        pos2 = _bars(bot, g, "ratio_vs_sglang_default", others, colors, ks)
+        bot.axhline(1.0, color="grey", lw=0.8, ls="--")
+        bot.set_ylabel("output throughput / sglang_default")
+        # the paper's values (its A100-40GB KV budget: hardware=a100_40gb cells), where it gives one
+        mine = paper[(paper["hardware"] == budget) & (paper["config"] == key["config"])]
+        mode_ok = mine["id"].str.contains("uniform" if key["mode"] == "uniform" else "hetero")
+        first_t = first_b = True
+        for _, p in mine[mode_ok].iterrows():
+            if not np.isfinite(p["k"]) or int(p["k"]) not in ks:
+                continue
+            if p["unit"] == "tok/s":
+                top.hlines(p["value"], ks.index(int(p["k"])) - 0.45, ks.index(int(p["k"])) + 0.45, color="black",
+                           lw=1.6, ls=":", label=f"{PAPER_LABEL}, every system" if first_t else None)
+                first_t = False
+            elif p["base_system"] == "sglang_default" and (p["system"], int(p["k"])) in pos2:
+                mark_paper(bot, pos2[(p["system"], int(p["k"]))], p["value"], label=first_b)
+                first_b = False
+        drawn.append(g.assign(panel=f"{key['mode']}, {budget}")[
+            ["panel", "workload.num_prefixes", "system", "mean", "ratio_vs_sglang_default", "vs_own_k1", "n"]])
+    fig.suptitle(title_of("Multi-prefix, Lp=8K, B=256", gpu_names(select(res.cells, SELECT) if not res.cells.empty
+                                                                  else res.cells),
+                          [k[1] for k, _ in panels]), fontsize=10)
+    handles = {}
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    save_figure(fig, NAME, out, data=pd.concat(drawn, ignore_index=True))
 
 
 def _count(r: pd.Series, key: str) -> int:
@@ -83,7 +150,8 @@ def _count(r: pd.Series, key: str) -> int:
 def storage_line(res: Results, claim: pd.Series) -> str:
     """For a multi-prefix claim: where GraniKV put the prefixes and which path served them, from the
     claim's GraniKV cells (HOT capacity and peak, first admissions to HOT / COLD, class-steps per path),
-    with TTFT / TPOT p50 against sglang_default in the same configuration. Empty without such a cell."""
+    with TTFT / TPOT p50 against the claim's baseline system (sglang_default where the baseline names none) in
+    the same configuration. Empty without such a cell."""
     from analysis.common import parse_selectors, select
     from analysis.headline_steps import baseline_cell, steps_vs
     cells = with_derived(res.cells)
@@ -93,14 +161,16 @@ def storage_line(res: Results, claim: pd.Series) -> str:
     g = select(cells, {**sel, "system.name": "=granikv", "instrumented": "=False"})
     if g.empty:
         return ""
+    # the claim's baseline system where it names one (GraniKV over SGLang-Cascade: against SGLang-Cascade)
+    bsys = parse_selectors(claim.get("baseline", "")).get("system.name", "=sglang_default").lstrip("=")
     parts = []
     for _, r in g.iterrows():
         paths = {c.split(".", 1)[1]: int(r[c]) for c in r.index if c.startswith("dispatch_counts.") and r[c] > 0}
         vs = ""
-        b = baseline_cell(res, r)
+        b = baseline_cell(res, r, bsys)
         if b is not None:
             vs = (f"; TTFT p50 {r['ttft_p50_ms'] / 1e3:.1f} s vs {b['ttft_p50_ms'] / 1e3:.1f} s, TPOT p50 "
-                  f"{r['tpot_p50_ms']:.1f} vs {b['tpot_p50_ms']:.1f} ms (sglang_default); " + steps_vs(res, r, b))
+                  f"{r['tpot_p50_ms']:.1f} vs {b['tpot_p50_ms']:.1f} ms ({bsys}); " + steps_vs(res, r, b))
         lens = r.get("workload.prefix_lens")        # a list written as text ("[2048, 4096]") or null
         if isinstance(lens, str):
             lens = json.loads(lens)

@@ -1,4 +1,6 @@
-"""Figure builders shared by the table modules: ratio heatmaps over Lp x B, lines over Lp."""
+"""Figure builders shared by the table modules: ratio heatmaps over Lp x B on one colour scale,
+lines over Lp, and what every figure carries: a title naming the GPU and the model/TP configurations
+drawn, Lp ticks 512 ... 16K, and the paper's values (results/paper/claims.csv) where it has one."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,9 +9,93 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from analysis.common import NOT_MEASURED, SHORT, placeholder_figure, plt, save_figure, show
+from analysis.common import NOT_MEASURED, PAPER_HARDWARE, SHORT, parse_selectors, placeholder_figure, plt, save_figure, show
 
 sns.set_theme(style="whitegrid", context="paper")
+PAPER_STYLE = dict(marker="*", s=140, color="black", zorder=5, edgecolor="white", linewidth=0.6)
+PAPER_LABEL = f"paper ({PAPER_HARDWARE})"
+MIN_HEATMAP_CELLS = 4   # a configuration with fewer measured cells gets no heatmap panel (named in a footnote)
+MIN_FILL = 0.5          # ... and so does one whose measured cells fill less than this of its rows x columns
+
+
+def heatmap_ok(grid: pd.DataFrame) -> bool:
+    """A panel worth drawing as a heatmap: >= 2 rows and columns, MIN_HEATMAP_CELLS cells, mostly filled."""
+    n = int(grid.notna().to_numpy().sum())
+    return grid.shape[0] >= 2 and grid.shape[1] >= 2 and n >= MIN_HEATMAP_CELLS and n >= MIN_FILL * grid.size
+
+
+def lp_label(v) -> str:
+    """512 -> '512', 1024 -> '1K', 16384 -> '16K' (a prefix length as the paper writes it)."""
+    v = int(float(v))
+    return f"{v // 1024}K" if v >= 1024 and v % 1024 == 0 else str(v)
+
+
+def lp_axis(ax, values, axis: str = "x") -> None:
+    """A log2 axis over the Lp values drawn, ticked at each of them as 512 ... 16K."""
+    vals = sorted({int(float(v)) for v in values})
+    if axis == "x":
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(vals, [lp_label(v) for v in vals])
+        ax.minorticks_off()
+        if len(vals) == 1:
+            ax.set_xlim(vals[0] / 1.5, vals[0] * 1.5)
+    else:
+        ax.set_yscale("log", base=2)
+        ax.set_yticks(vals, [lp_label(v) for v in vals])
+        ax.minorticks_off()
+
+
+def gpu_names(cells: pd.DataFrame) -> str:
+    """The GPU(s) the given cells ran on (provenance), for a figure's title."""
+    if cells is None or cells.empty or "provenance.gpu_name" not in cells.columns:
+        return "GPU ?"
+    names = sorted({str(g) for g in cells["provenance.gpu_name"].dropna()})
+    return ", ".join(names) if names else "no GPU (CPU)"
+
+
+def title_of(what: str, gpu: str, configs) -> str:
+    """``<what>: <GPU>, <model TP=n>[, ...]``: every figure's title names GPU, model and TP."""
+    cf = [str(c) for c in dict.fromkeys(configs) if c is not None and c == c]
+    return f"{what}: {gpu}" + (f", {'; '.join(cf)}" if cf else "")
+
+
+def paper_claims(ids=None) -> pd.DataFrame:
+    """results/paper/claims.csv with the selectors spelt out: ``config`` (model TP), ``lp``, ``batch``,
+    ``k``, ``hardware``, ``system`` and ``base_system`` (the baseline's system, if it names one), ``value``
+    and ``value_hi`` as numbers. ``ids``: only these claims (in claims.csv order)."""
+    from analysis.claims import load_claims
+    from analysis.common import config_label
+    c = load_claims()
+    if ids is not None:
+        c = c[c["id"].isin(list(ids))]
+    rows = []
+    for _, r in c.iterrows():
+        sel, base = parse_selectors(r["selectors"]), parse_selectors(r["baseline"])
+
+        def val(d, k):
+            v = d.get(k, "")
+            return v[1:] if v.startswith("=") else None
+        num = lambda x: float(x) if x not in (None, "") else np.nan  # noqa: E731
+        rows.append({"id": r["id"], "check": r["check"], "unit": r["unit"], "metric": r["metric"],
+                     "workload": val(sel, "workload.kind"), "statistic": r["statistic"],
+                     "config": config_label(r["model"], int(r["tp"])) if str(r["tp"]).isdigit() else None,
+                     "lp": num(val(sel, "workload.prefix_len")), "batch": num(val(sel, "workload.batch")),
+                     "k": num(val(sel, "workload.num_prefixes")), "hardware": val(sel, "hardware.name"),
+                     "system": val(sel, "system.name"), "base_system": val(base, "system.name"),
+                     "value": num(r["paper_value"]), "value_hi": num(r["paper_value_hi"])})
+    return pd.DataFrame(rows, columns=["id", "check", "unit", "metric", "workload", "statistic", "config", "lp", "batch",
+                                       "k", "hardware", "system", "base_system", "value", "value_hi"])
+
+
+def mark_paper(ax, x, y, label: bool = True, bound: str | None = None, **kw) -> None:
+    """The paper's value at (x, y): a black star; a bound (``>=`` / ``<=``) as a triangle pointing the
+    way it allows."""
+    style = {**PAPER_STYLE, **kw}
+    if bound:
+        style["marker"] = "^" if bound == "bound_ge" else "v"
+        style["s"] = 70
+    op = {"bound_ge": " (>= bound)", "bound_le": " (<= bound)"}.get(bound or "", "")
+    ax.scatter([x], [y], label=(PAPER_LABEL + op) if label else None, **style)
 
 # One colour per system in every figure (a system keeps its colour whichever systems a panel has)
 SYSTEM_ORDER = ("sglang_default", "sglang_cascade", "hydragen", "granikv", "granikv_dense_only",
@@ -64,60 +150,124 @@ def _int_labels(grid: pd.DataFrame) -> pd.DataFrame:
     return grid
 
 
-def ratio_heatmaps(table: pd.DataFrame, name: str, out: Path, rows: str, cols: str, facet: list[str],
-                   value: str = "ratio_vs_sglang_default", systems=("granikv",), title: str = "",
-                   labels: tuple[str, str] = ("Lp", "B")) -> None:
-    """One heatmap per (facet, system) of ``value`` over ``rows`` x ``cols``, drawn over the whole
-    expected grid: cells not measured stay blank (never interpolated)."""
-    df = table[table["system"].isin(systems)] if not table.empty else table
-    measured = df[(df["status"] == "measured") & df[value].notna()] if value in df.columns else df.iloc[0:0]
-    panels = [(f"{lab}{', ' if lab else ''}{s}", g[g["system"] == s]) for lab, g in _facets(df, facet)
-              for s in systems if ((measured["system"] == s) & measured.index.isin(g.index)).any()]
-    if not panels:
-        placeholder_figure(name, out, f"no measured cells with {value}")
-        return
+def heatmap_grid(g: pd.DataFrame, rows: str, cols: str, value: str) -> pd.DataFrame:
+    """``value`` pivoted over ``rows`` (descending, as Lp reads upwards) x ``cols``, trimmed to the rows and
+    columns that hold a measured value."""
+    g = g.assign(_v=pd.to_numeric(g[value], errors="coerce"))
+    grid = g.pivot_table(index=rows, columns=cols, values="_v", aggfunc="first", dropna=False)
+    grid = grid.loc[grid.notna().any(axis=1), grid.notna().any(axis=0)]
+    return _int_labels(grid.sort_index(ascending=False))
+
+
+def draw_heatmaps(panels: list[tuple[str, pd.DataFrame]], name: str, out: Path, *, title: str, cbar_label: str,
+                  fmt: str = ".2f", center: float | None = 1.0, cmap: str = "RdBu", labels=("Lp", "B"),
+                  footnote: str = "", outline_col=None, outline_label: str = "", data: pd.DataFrame | None = None,
+                  lp_rows: bool = True) -> None:
+    """Heatmaps on one shared colour scale (centred on ``center`` when given) with one colour bar;
+    ``outline_col``: a column value outlined in every panel (e.g. the paper's B=256)."""
+    from matplotlib.colors import LogNorm, Normalize
+    vals = np.concatenate([p.to_numpy(dtype=float).ravel() for _, p in panels])
+    vals = vals[np.isfinite(vals)]
+    vmin, vmax = float(vals.min()), float(vals.max())
+    ticks = None
+    if center is not None:   # ratios: a log scale symmetric about the centre (0.5x and 2x equally far from 1x)
+        m = max(vmax / center, center / vmin, 1.05)
+        norm = LogNorm(vmin=center / m, vmax=center * m)
+        ticks = [t for t in (0.25, 0.33, 0.5, 0.67, 0.8, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0) if center / m <= t <= center * m]
+    else:
+        norm = Normalize(vmin=vmin, vmax=vmax)
     n = len(panels)
     ncol = min(n, 3)
     nrow = int(np.ceil(n / ncol))
-    fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.4 * nrow), squeeze=False)
-    left_out = 0
-    for ax, (lab, g) in zip(axes.flat, panels):
-        m = g["status"] == "measured"
-        kept, k = one_per_point(g[m], [rows, cols])
-        planned = g[~m]                              # expected cells not measured: they stay, blank
-        g, left_out = pd.concat([kept, planned]), left_out + k
-        g = g.assign(_v=pd.to_numeric(g[value], errors="coerce"))
-        grid = g.pivot_table(index=rows, columns=cols, values="_v", aggfunc="first", dropna=False)
-        grid = grid.loc[grid.notna().any(axis=1) | grid.index.isin(planned[rows]),
-                        grid.notna().any(axis=0) | grid.columns.isin(planned[cols])]
-        grid = _int_labels(grid.sort_index(ascending=False))
-        sns.heatmap(grid, annot=True, fmt=".2f", cmap="RdBu", center=1.0, cbar=False, ax=ax)
-        ax.set_title(lab, fontsize=8)
-        ax.set_ylabel(labels[0])
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.0 * ncol + 1.0, 3.3 * nrow + 0.4), squeeze=False)
+    for ax, (lab, grid) in zip(axes.flat, panels):
+        shown = grid.copy()
+        if lp_rows:
+            shown.index = [lp_label(v) for v in shown.index]
+        sns.heatmap(shown, annot=True, fmt=fmt, cmap=cmap, norm=norm, cbar=False, ax=ax, annot_kws={"fontsize": 8},
+                    linewidths=0.5, linecolor="white")
+        if outline_col is not None and outline_col in list(grid.columns):
+            j = list(grid.columns).index(outline_col)
+            ax.add_patch(plt.Rectangle((j, 0), 1, len(grid), fill=False, edgecolor="black", lw=1.6, clip_on=False))
+        ax.set_title(lab, fontsize=9)
+        ax.set_ylabel(labels[0] if ax in axes[:, 0] else "")
         ax.set_xlabel(labels[1])
         ax.grid(False)
         ax.tick_params(axis="y", rotation=0)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
-    fig.suptitle(title or value)
-    fig.text(0.5, -0.02, f"blank: {NOT_MEASURED}" + _left_out_note(left_out), ha="center", fontsize=7)
-    fig.tight_layout()
-    save_figure(fig, name, out)
+    sm = plt.cm.ScalarMappable(norm=norm, cmap=cmap)
+    cb = fig.colorbar(sm, ax=axes.ravel().tolist(), shrink=0.85, pad=0.02, label=cbar_label)
+    if ticks:
+        cb.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
+        cb.minorticks_off()
+    fig.suptitle(title, fontsize=10)
+    notes = [x for x in (outline_label, footnote) if x]
+    if notes:
+        import textwrap
+        fig.text(0.45, -0.01, "\n".join(textwrap.wrap("; ".join(notes), 150)), ha="center", va="top", fontsize=7)
+    save_figure(fig, name, out, data=data)
+
+
+def ratio_heatmaps(table: pd.DataFrame, name: str, out: Path, rows: str, cols: str, facet: list[str],
+                   value: str = "ratio_vs_sglang_default", systems=("granikv",), title: str = "",
+                   labels: tuple[str, str] = ("Lp", "B"), gpu: str = "GPU ?", cbar_label: str = "") -> None:
+    """One heatmap per (facet, system) of ``value`` over ``rows`` x ``cols``, all on one colour scale
+    centred on 1 with one colour bar. A panel shows the rows and columns that hold a measured value
+    (never interpolated); a configuration with fewer than MIN_HEATMAP_CELLS measured cells gets no
+    panel and is named below the figure (its cells are in the table)."""
+    df = table[table["system"].isin(systems)] if not table.empty else table
+    measured = df[(df["status"] == "measured") & pd.to_numeric(df[value], errors="coerce").notna()] \
+        if value in df.columns else df.iloc[0:0]
+    panels, left, dropped, drawn = [], 0, [], []
+    for lab, g in _facets(measured, facet):
+        for s in systems:
+            gs = g[g["system"] == s]
+            if gs.empty:
+                continue
+            kept, k = one_per_point(gs, [rows, cols])
+            left += k
+            grid = heatmap_grid(kept, rows, cols, value)
+            if not heatmap_ok(grid):
+                dropped.append(f"{lab.split('=', 1)[-1]} {s} ({len(kept)} cell{'s' if len(kept) != 1 else ''})")
+                continue
+            panels.append((f"{lab.split('=', 1)[-1]}: {s}", grid))
+            drawn.append(kept.assign(panel=f"{lab}, {s}"))
+    if not panels:
+        placeholder_figure(name, out, f"no configuration whose measured cells of {value} make a heatmap")
+        return
+    configs = [lab.split(":")[0] for lab, _ in panels]
+    note = f"blank: {NOT_MEASURED}" + _left_out_note(left)
+    if dropped:
+        note += "; no heatmap (a single row or column, or few cells; in the table): " + ", ".join(dict.fromkeys(dropped))
+    data = pd.concat(drawn, ignore_index=True)[["panel", rows, cols, "system", value]]
+    draw_heatmaps(panels, name, out, title=title_of(title or value, gpu, configs), footnote=note,
+                  cbar_label=cbar_label or value, labels=labels, data=data)
 
 
 def lines_vs(table: pd.DataFrame, name: str, out: Path, x: str, facet: list[str], value: str = "mean",
-             ylabel: str = "output tok/s", title: str = "", logy: bool = False) -> None:
-    """One panel per facet: ``value`` vs ``x`` per system (error bars: rep min-max when present)."""
+             ylabel: str = "output tok/s", title: str = "", logy: bool = False, gpu: str = "GPU ?",
+             skip_systems=(), paper: pd.DataFrame | None = None, hline: float | None = None) -> None:
+    """One panel per facet (the configurations that have data): ``value`` vs ``x`` per system (error bars:
+    rep min-max when present), Lp ticks 512 ... 16K; ``paper``: rows (config, x, value, check) drawn as
+    the paper's values in their panel; ``hline``: a reference line (e.g. 1.0 for a ratio)."""
     df = table[(table["status"] == "measured")]
     df = df[df[value].notna()] if value in df.columns else df.iloc[0:0]
+    df = df[~df["system"].isin(skip_systems)] if not df.empty else df
     panels = _facets(df, facet)
+    # a configuration measured at a single x is a point, not a curve: named below the figure, in the table
+    single = [lab for lab, g in panels if g[x].nunique() < 2]
+    if len(single) < len(panels):
+        panels = [(lab, g) for lab, g in panels if lab not in single]
+    else:
+        single = []
     if not panels:
         placeholder_figure(name, out, f"no measured cells with {value}")
         return
     n = len(panels)
-    fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, n, figsize=(3.9 * n, 3.4), squeeze=False)
     colors = system_colors(df["system"].unique())
-    left_out = 0
+    left_out, drawn = 0, []
     for ax, (lab, g) in zip(axes.flat, panels):
         for s in system_order(g["system"].unique()):
             gs, k = one_per_point(g[g["system"] == s], [x])
@@ -126,20 +276,42 @@ def lines_vs(table: pd.DataFrame, name: str, out: Path, x: str, facet: list[str]
             yerr = None
             if value == "mean" and {"min", "max"} <= set(gs.columns):
                 yerr = np.vstack([(gs["mean"] - gs["min"]).fillna(0), (gs["max"] - gs["mean"]).fillna(0)]).astype(float)
-            ax.errorbar(gs[x].astype(float), gs[value].astype(float), yerr=yerr, marker="o", label=s, capsize=2,
+            ax.errorbar(gs[x].astype(float), gs[value].astype(float), yerr=yerr, marker="o", ms=4, label=s, capsize=2,
                         color=colors[s])
-        ax.set_xscale("log", base=2)
+            drawn.append(gs.assign(panel=lab))
+        if hline is not None:
+            ax.axhline(hline, color="grey", lw=0.8, ls="--")
+        cfg = lab.split("=", 1)[-1]
+        if paper is not None and not paper.empty:
+            labelled = set()
+            for _, p in paper[paper["config"] == cfg].iterrows():
+                if np.isfinite(p["x"]) and np.isfinite(p["value"]):
+                    bound = p["check"] if p["check"] in ("bound_ge", "bound_le") else None
+                    mark_paper(ax, p["x"], p["value"], label=bound not in labelled, bound=bound)
+                    labelled.add(bound)
+        xs = g[x].astype(float)
+        if x == "workload.prefix_len":
+            lp_axis(ax, xs)
+        else:
+            ax.set_xscale("log", base=2)
+            vals = sorted(set(xs))
+            ax.set_xticks(vals, [show(v) for v in vals])
+            ax.minorticks_off()
         if logy:
             ax.set_yscale("log")
         ax.set_xlabel(SHORT.get(x, x))
         ax.set_ylabel(ylabel)
-        ax.set_title(lab, fontsize=8)
-        ax.legend(fontsize=7)
-    fig.suptitle(title)
-    if left_out:
-        fig.text(0.5, -0.02, _left_out_note(left_out).lstrip("; "), ha="center", fontsize=7)
+        ax.set_title(cfg, fontsize=9)
+        ax.legend(fontsize=6)
+    fig.suptitle(title_of(title, gpu, [lab.split("=", 1)[-1] for lab, _ in panels]), fontsize=10)
+    notes = ([_left_out_note(left_out).lstrip("; ")] if left_out else []) + (
+        [f"measured at one {SHORT.get(x, x)} only (in the table): " + ", ".join(l.split("=", 1)[-1] for l in single)]
+        if single else [])
+    if notes:
+        fig.text(0.5, -0.02, "; ".join(notes), ha="center", fontsize=7)
     fig.tight_layout()
-    save_figure(fig, name, out)
+    keep = [c for c in ["panel", x, "system", value, "min", "max", "n"] if c in drawn[0].columns] if drawn else []
+    save_figure(fig, name, out, data=pd.concat(drawn, ignore_index=True)[keep] if drawn else None)
 
 
 def _left_out_note(n: int) -> str:

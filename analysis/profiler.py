@@ -112,10 +112,42 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     if m.empty:
         placeholder_figure(NAME, out, "profiler traces hold no GPU kernel events (CPU runs)")
         return t
-    fig, ax = plt.subplots(figsize=(6, 3.4))
-    labels = [f"{c}\n{s}" for c, s in zip(m["config"], m["system"])]
-    ax.barh(labels, m["attention_ms"])
-    ax.set_xlabel("prefix-attention kernel time in window (ms)")
-    fig.tight_layout()
-    save_figure(fig, NAME, out)
+    draw(m, tf, out)
     return t
+
+
+def draw(m: pd.DataFrame, tf: pd.DataFrame, out: Path) -> None:
+    """Left: prefix-attention kernel time per system and configuration; right: sglang_default's over each
+    system's, with the paper's SGLang-Cascade values."""
+    from analysis.plots import gpu_names, mark_paper, paper_claims, system_colors, system_order, title_of
+    configs = sorted(m["config"].dropna().unique())
+    systems = system_order(m["system"].unique())
+    colors = system_colors(systems)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 0.5 * len(configs) * len(systems) / 2 + 2.4))
+    h = 0.8 / len(systems)
+    for j, s_ in enumerate(systems):
+        g = m[m["system"] == s_].set_index("config")
+        ys = [i - 0.4 + h * (j + 0.5) for i in range(len(configs))]
+        a1.barh(ys, [float(g["attention_ms"].get(c, np.nan)) for c in configs], h, color=colors[s_], label=s_)
+        if s_ != "sglang_default":
+            a2.barh(ys, [float(g["default_over_system"].get(c, np.nan)) for c in configs], h, color=colors[s_],
+                    label=s_)
+    pc = paper_claims(["profiler_cascade_llama8b", "profiler_cascade_qwen32b"])
+    first = True
+    others = [s_ for s_ in systems if s_ != "sglang_default"]
+    for _, p in pc.iterrows():
+        if p["config"] in configs and p["system"] in others:
+            j = systems.index(p["system"])
+            mark_paper(a2, p["value"], configs.index(p["config"]) - 0.4 + h * (j + 0.5), label=first)
+            first = False
+    for ax in (a1, a2):
+        ax.set_yticks(range(len(configs)), configs, fontsize=8)
+        ax.invert_yaxis()
+        ax.legend(fontsize=7)
+    a2.axvline(1.0, color="grey", lw=0.8, ls="--")
+    a1.set_xlabel("prefix-attention kernel time in the profiled window (ms)")
+    a2.set_xlabel("sglang_default's prefix-attention time / this system's")
+    fig.suptitle(title_of("torch.profiler, B=256, Lp=8K (rank 0's trace)", gpu_names(tf), configs), fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, NAME, out, data=m[["config", "system", "n", "attention_ms", "kernel_ms", "share",
+                                        "default_over_system"]])

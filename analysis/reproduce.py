@@ -4,7 +4,8 @@ Loads every cell under ``--results`` (schema-checked), runs every table / figure
 ``--out``/tables and ``--out``/figures, writes the campaign's coverage (``analysis.coverage``) and
 ``--out``/REPORT.md (claim by claim).
 ``--only tables``: tables and the report, no figures; ``--only figures``: the modules with their
-figures (and the tables they are drawn from), no report.
+figures (and the tables they are drawn from), no report. The claim map (``analysis.claim_map``) is
+written with the report.
 """
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-from analysis import (amdahl, coverage, dispatch_overhead, dispatch_routing, grid, headline, headline_steps, kernel, limitation,
-                      multiprefix, prefill_host, prefill_host_ops, profiler, sharegpt_matrix)
+from analysis import (amdahl, claim_map, coverage, dispatch_overhead, dispatch_routing, engine_fidelity, grid, headline,
+                      headline_steps, kernel, limitation, multiprefix, prefill_host, prefill_host_ops, profiler,
+                      sharegpt_matrix)
 from analysis.clean import prefer_clean
 from analysis.load import load_results
 
-MODULES = (headline, headline_steps, prefill_host, prefill_host_ops, grid, sharegpt_matrix, multiprefix, kernel, amdahl,
+MODULES = (headline, engine_fidelity, headline_steps, prefill_host, prefill_host_ops, grid, sharegpt_matrix, multiprefix, kernel, amdahl,
            dispatch_routing, dispatch_overhead, profiler, limitation)
 
 
@@ -34,7 +36,9 @@ def run(results: str | Path = "results/raw", out: str | Path = "results", only: 
     ev = None
     if only != "figures":
         from analysis.report import write_report
+        tables += list(claim_map.TABLES)
         ev = write_report(res, out, tables + ["claims"], figs)
+        claim_map.build(res, out, ev=ev)   # claim -> experiment -> command -> GPUs -> time -> output
     return {"tables": tables, "figures": figs, "claims": ev, "results": res}
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-import seaborn as sns
 
-from analysis.common import LPS, PAPER_CONFIG_LABELS, SHAREGPT_B, plt, rename_short, save_figure, system_table, write_table
+from analysis.common import LPS, PAPER_CONFIG_LABELS, PAPER_HARDWARE, SHAREGPT_B, rename_short, select, system_table, write_table
 from analysis.headline import DIGITS
 from analysis.load import Results
-from analysis.plots import _int_labels, one_per_point, ratio_heatmaps
+from analysis.plots import (draw_heatmaps, gpu_names, heatmap_grid, heatmap_ok, one_per_point, paper_claims,
+                            ratio_heatmaps, title_of)
 
 NAME = "sharegpt_matrix"
 FIGURES = ("sharegpt_ratio_heatmap", "sharegpt_throughput_heatmap")
@@ -29,27 +29,35 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     write_table(rename_short(t), NAME, out, DIGITS, title="ShareGPT Lp x B matrix (Tables 9-11): output tok/s")
     if not figures:
         return t
+    gpu = gpu_names(select(res.cells, SELECT) if not res.cells.empty else res.cells)
     ratio_heatmaps(t, "sharegpt_ratio_heatmap", out, "workload.prefix_len", "workload.batch", ["config"],
-                   systems=("granikv", "sglang_cascade", "hydragen"),
-                   title="ShareGPT: output throughput / sglang_default (rows Lp, columns B)")
+                   systems=("granikv", "sglang_cascade", "hydragen"), gpu=gpu,
+                   cbar_label="output throughput / sglang_default",
+                   title="ShareGPT Lp x B: output throughput over SGLang default (rows Lp, columns B)")
     g = t[(t["status"] == "measured") & (t["system"] == "granikv")] if not t.empty else t
-    if g.empty:
+    panels, dropped, drawn = [], [], []
+    for c in (sorted(g["config"].unique()) if not g.empty else []):
+        one, _ = one_per_point(g[g["config"] == c], ["workload.prefix_len", "workload.batch"])
+        grid = heatmap_grid(one, "workload.prefix_len", "workload.batch", "mean")
+        if not heatmap_ok(grid):
+            dropped.append(f"{c} ({len(one)} cell{'s' if len(one) != 1 else ''})")
+            continue
+        panels.append((f"{c}: GraniKV", grid))
+        drawn.append(one.assign(panel=c)[["panel", "workload.prefix_len", "workload.batch", "system", "mean", "n"]])
+    if not panels:
         from analysis.common import placeholder_figure
-        placeholder_figure("sharegpt_throughput_heatmap", out, "no measured GraniKV ShareGPT cells")
+        placeholder_figure("sharegpt_throughput_heatmap", out, "no configuration with enough measured GraniKV ShareGPT cells")
     else:
-        cfgs = sorted(g["config"].unique())
-        fig, axes = plt.subplots(1, len(cfgs), figsize=(4.2 * len(cfgs), 3.4), squeeze=False)
-        for ax, c in zip(axes.flat, cfgs):
-            one, _ = one_per_point(g[g["config"] == c], ["workload.prefix_len", "workload.batch"])
-            grid = one.pivot_table(index="workload.prefix_len", columns="workload.batch",
-                                   values="mean", aggfunc="first").sort_index(ascending=False)
-            sns.heatmap(_int_labels(grid), annot=True, fmt=".0f", cmap="viridis", cbar=False, ax=ax)
-            ax.set_ylabel("Lp")
-            ax.set_xlabel("B")
-            ax.set_title(f"{c}: GraniKV tok/s", fontsize=8)
-            ax.grid(False)                           # no grid lines across the blank (not measured) cells
-        fig.tight_layout()
-        save_figure(fig, "sharegpt_throughput_heatmap", out)
+        peak = paper_claims([f"b256_peak_{m}" for m in ("llama8b", "qwen14b", "qwen32b")])
+        bound = f"{peak['value'].iloc[0]:g}" if not peak.empty else "?"
+        draw_heatmaps(panels, "sharegpt_throughput_heatmap", out, center=None, cmap="viridis", fmt=".0f",
+                      title=title_of("ShareGPT Lp x B: GraniKV output tok/s", gpu, [c.split(":")[0] for c, _ in panels]),
+                      cbar_label="GraniKV output tok/s", outline_col=256,
+                      outline_label=f"outlined: B=256, where the paper ({PAPER_HARDWARE}) finds the peak "
+                                    f"(>= {bound} of the best B at every Lp)",
+                      footnote=("no heatmap (a single row or column, or few cells; in the table): " + ", ".join(dropped))
+                      if dropped else "",
+                      data=pd.concat(drawn, ignore_index=True))
     return t
 
 

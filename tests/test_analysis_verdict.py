@@ -10,24 +10,24 @@ from analysis import claims as C
 from analysis.common import parse_selectors, select
 from analysis.reproduce import MODULES
 
-R, NR, NM = C.REPRODUCED, C.NOT_REPRODUCED, "not measured"
+R, EX, NR, NM = C.REPRODUCED, C.EXCEEDED, C.NOT_REPRODUCED, "not measured"
 
 
 @pytest.mark.parametrize("ours,better,want", [
     (2.16, "higher", R),
     (2.16 * 0.75, "higher", R),            # exactly 25% below: still within
-    (2.16 * 0.75 - 1e-6, "higher", NR),    # just outside
+    (2.16 * 0.75 - 1e-6, "higher", NR),    # just outside, short of the paper
     (2.16 * 1.25, None, R),                # exactly 25% above
-    (2.16 * 1.25 + 1e-6, None, NR),        # above the band, no "better" direction
-    (5.0, "higher", R),                    # better than the paper
-    (5.0, "lower", NR),
+    (2.16 * 1.25 + 1e-6, None, EX),        # beyond the band, further from 1: the same effect, larger
+    (5.0, "higher", EX),                   # far beyond the paper: exceeded, not reproduced
+    (5.0, "lower", EX),                    # a ratio's direction is its side of 1, whatever `better` says
 ])
-def test_point_band_and_better(ours, better, want):
+def test_point_band_and_beyond(ours, better, want):
     assert C.verdict("point", 2.16, ours, better=better, ratio=True) == want
 
 
 def test_point_lower_is_better():
-    assert C.verdict("point", 0.67, 0.30, better="lower", ratio=True) == R
+    assert C.verdict("point", 0.67, 0.30, better="lower", ratio=True) == EX       # a larger reduction
     assert C.verdict("point", 0.67, 0.67 * 1.25 + 1e-6, better="lower", ratio=True) == NR
 
 
@@ -49,8 +49,8 @@ def test_parity_claims_have_no_direction():
 def test_range():
     assert C.verdict("range", 1.05, 1.10, paper_hi=1.15, better="higher", ratio=True) == R
     assert C.verdict("range", 1.05, 1.15 * 1.25, paper_hi=1.15, ratio=True) == R
-    assert C.verdict("range", 1.05, 1.15 * 1.25 + 1e-6, paper_hi=1.15, ratio=True) == NR
-    assert C.verdict("range", 1.05, 3.0, paper_hi=1.15, better="higher", ratio=True) == R
+    assert C.verdict("range", 1.05, 1.15 * 1.25 + 1e-6, paper_hi=1.15, ratio=True) == EX
+    assert C.verdict("range", 1.05, 3.0, paper_hi=1.15, better="higher", ratio=True) == EX
     assert C.verdict("range", 1.05, 0.99, paper_hi=1.15, better="higher", ratio=True) == NR  # below 1
 
 
@@ -209,8 +209,8 @@ def test_absolute_line_states_the_factor_both_ways():
     ("bound_ge", 0.97, {}, [0.97]),
     ("bound_le", 0.10, {}, [0.10]),
     ("point", 0.70, {"ratio": True}, [0.525, 0.875]),                       # a regression: 1.0 is inside NR
-    ("point", 2.16, {"ratio": True, "better": "higher"}, [1.62]),
-    ("range", 1.05, {"paper_hi": 1.15, "ratio": True, "better": "higher"}, [1.0]),  # lower edge 0.79 < 1
+    ("point", 2.16, {"ratio": True, "better": "higher"}, [1.62, 2.70]),        # short of / beyond the band
+    ("range", 1.05, {"paper_hi": 1.15, "ratio": True, "better": "higher"}, [1.0, 1.4375]),  # lower edge 0.79 < 1
     ("point", 0.99, {"ratio": True}, [0.7425, 1.2375]),                     # parity: no direction flip
     ("point", 1.10, {"ratio": True}, [1.0, 1.375]),
     ("true", None, {}, []),
@@ -246,18 +246,18 @@ def test_margin():
 def test_close_calls_lists_only_near_flips():
     from analysis.report import close_calls
     ev = pd.DataFrame([
-        {"id": "near", "ours_shown": "0.96", "n": 1, "reps": 1, "verdict": NR, "flips_at": 0.97, "margin": 0.011,
+        {"id": "near", "ours_shown": "0.96", "configs": 1, "n": 1, "verdict": NR, "flips_at": 0.97, "margin": 0.011,
          "check": "bound_ge", "paper_value": "0.97", "paper_value_hi": "", "unit": "x"},
-        {"id": "far", "ours_shown": "2.29", "n": 6, "reps": 2, "verdict": R, "flips_at": 1.62, "margin": 0.41,
+        {"id": "far", "ours_shown": "2.29", "configs": 6, "n": 2, "verdict": R, "flips_at": 1.62, "margin": 0.41,
          "check": "point", "paper_value": "2.16", "paper_value_hi": "", "unit": "x"},
-        {"id": "unmeasured", "ours_shown": "", "n": 0, "reps": 0, "verdict": NM, "flips_at": float("nan"),
+        {"id": "unmeasured", "ours_shown": "", "configs": 0, "n": 0, "verdict": NM, "flips_at": float("nan"),
          "margin": float("nan"), "check": "point", "paper_value": "1.0", "paper_value_hi": "", "unit": "x"},
     ])
     text = "\n".join(close_calls(ev))
     assert "`near`" in text and "flips at 0.97, 1.1% away" in text and "fewest repetitions behind one: 1" in text
     assert "`far`" not in text and "`unmeasured`" not in text
     assert close_calls(ev[ev["id"] == "far"]) == []
-    mono = pd.DataFrame([{"id": "mono", "ours_shown": "not monotone: ...", "n": 6, "reps": 1, "verdict": NR,
+    mono = pd.DataFrame([{"id": "mono", "ours_shown": "not monotone: ...", "configs": 6, "n": 1, "verdict": NR,
                           "flips_at": float("nan"), "margin": 0.019, "margin_note": "largest dip 1.05@512 -> 1.03@1024",
                           "check": "true", "paper_value": "", "paper_value_hi": "", "unit": "bool"}])
     assert "it turns on its largest dip 1.05@512 -> 1.03@1024 (1.9%)" in "\n".join(close_calls(mono))
