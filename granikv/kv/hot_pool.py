@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -97,3 +98,45 @@ class HotPool:
     def free_extents(self) -> list[tuple[int, int]]:
         """Free extents as ``(start, length)``, sorted and coalesced."""
         return list(zip(self._starts, self._lens))
+
+    def eviction_window(self, length: int, evictable: Mapping[int, tuple]) -> list[int] | None:
+        """The slabs to free so that one free extent holds ``length`` slots (the choice of
+        ``PrefixIndex.evict_hot_extent``, kept here so that any index over this pool can use it).
+
+        ``evictable`` maps the start of each slab that may be evicted to ``(newest_access,
+        tokens)``: the most recent use of what would be evicted with it, and how many tokens
+        that is; every other live slab is pinned (locked) and never moves. The candidate windows
+        are runs of free extents and evictable slabs between pinned ones; of the windows starting
+        at each block, the one whose newest access is the oldest is taken, fewer tokens and a
+        lower address breaking ties. Returns the starts of the slabs of that window, in address
+        order; ``[]`` when an extent already fits; None when no window can hold ``length``.
+        Nothing is changed: the caller evicts (and ``free``s) the slabs it is given.
+        """
+        if not isinstance(length, int) or length <= 0:
+            raise ValueError(f"HotPool.eviction_window: length must be a positive int, got {length!r}")
+        if self.largest_free_extent >= length:
+            return []
+        if length > self.capacity:
+            return None
+        # blocks tiling the pool in address order: (start, length, info or None (free) or False (pinned))
+        blocks = sorted([(s, n, None) for s, n in self.free_extents()]
+                        + [(s, n, evictable.get(s, False)) for s, n in self._live.items()])
+        best, best_starts = None, None
+        for i in range(len(blocks)):
+            if blocks[i][2] is False:
+                continue
+            total, newest, cost, starts = 0, -1, 0, []
+            for j in range(i, len(blocks)):
+                b = blocks[j]
+                if b[2] is False:
+                    break
+                total += b[1]
+                if b[2] is not None:
+                    newest, cost = max(newest, b[2][0]), cost + b[2][1]
+                    starts.append(b[0])
+                if total >= length:
+                    key = (newest, cost, blocks[i][0])
+                    if best is None or key < best:
+                        best, best_starts = key, starts
+                    break
+        return best_starts

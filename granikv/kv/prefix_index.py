@@ -260,40 +260,20 @@ class PrefixIndex:
         pool = self.hot_pool
         if pool.largest_free_extent >= length or length > pool.capacity:
             return 0
-        info: dict[int, tuple[int, int, Node]] = {}  # slab start -> (newest access, tokens, top) of an evictable slab
+        info: dict[int, tuple[int, int]] = {}  # slab start -> (newest access, tokens) of an evictable slab
+        tops: dict[int, Node] = {}
         for start, group in self._slab_nodes.items():
             top = self._top(next(iter(group)))
             if top.lock_ref == 0:
                 sub = self._subtree(top)
-                info[start] = (max(n.last_access for n in sub), sum(len(n) for n in sub), top)
-        # blocks tiling the HOT region in address order: (start, length, info or None (free) or False (locked))
-        blocks = sorted([(s, n, None) for s, n in pool.free_extents()]
-                        + [(sl.start, sl.length, info.get(sl.start, False)) for sl in pool.slabs])
-        best, best_tops = None, None
-        i = 0
-        while i < len(blocks):
-            if blocks[i][2] is False:
-                i += 1
-                continue
-            total, newest, cost, tops = 0, -1, 0, []
-            for j in range(i, len(blocks)):
-                b = blocks[j]
-                if b[2] is False:
-                    break
-                total += b[1]
-                if b[2] is not None:
-                    newest, cost = max(newest, b[2][0]), cost + b[2][1]
-                    tops.append(b[2][2])
-                if total >= length:
-                    key = (newest, cost, blocks[i][0])
-                    if best is None or key < best:
-                        best, best_tops = key, tops
-                    break
-            i += 1
-        if best is None:
+                info[start] = (max(n.last_access for n in sub), sum(len(n) for n in sub))
+                tops[start] = top
+        window = pool.eviction_window(length, info)
+        if not window:
             return 0
         freed = 0
-        for top in best_tops:
+        for start in window:
+            top = tops[start]
             if top.parent is not None:  # not already gone below another slab of the window
                 freed += self._drop_subtree(top)[1]
         assert pool.largest_free_extent >= length, "PrefixIndex.evict_hot_extent: the window did not free up"

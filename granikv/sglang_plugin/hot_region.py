@@ -1,0 +1,433 @@
+"""The pure core of the ``granikv`` radix cache backend: no SGLang import, tested on CPU.
+
+Two parts:
+
+- :class:`HotRegion`: a contiguous range of slots taken out of a token allocator of SGLang's
+  shape (``TokenToKVPoolAllocator``: slots ``1..size`` free at start, ``alloc(n)`` gives the
+  first ``n`` free slots as an int64 tensor or None, ``free(indices)``, ``available_size()``)
+  and handed out as slabs, first-fit, by :class:`granikv.kv.HotPool`. A slab goes back to the
+  region only whole; the region's slots never go back to the allocator while it exists.
+- :class:`HotColdTree`: admission and eviction over a radix tree of SGLang's ``TreeNode`` shape
+  (the node protocol below), where a node is HOT when its slots are one slab's and COLD when
+  they are the allocator's. Admission is HOT-first: a free extent, else unlocked slabs evicted
+  whole to make one (``HotPool.eviction_window``, the rule ``granikv.kv.PrefixIndex`` uses), else
+  the prefix stays COLD (the paged fallback). A slab whose node is locked is never evicted or
+  moved. COLD eviction (the allocator's shortfall) takes COLD leaves only, LRU first; a COLD
+  node blocked by an unlocked HOT node below it goes with its whole subtree.
+
+Node protocol (what ``sglang.srt.mem_cache.radix_cache.TreeNode`` has): ``parent`` (None for the
+root), ``children`` (a dict), ``lock_ref`` (int; a lock counts on the node and on every ancestor,
+so ``lock_ref == 0`` means the whole subtree is unlocked), ``value`` (1-D int64 tensor of slot
+ids, one per token), ``last_access_time``. HOT nodes carry the attribute ``granikv_slab``
+(:data:`SLAB_ATTR`), set by :meth:`HotColdTree.register` and copied onto the upper half of a
+split by :meth:`HotColdTree.on_split`.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Protocol, Sequence
+
+import torch
+
+from granikv.kv.hot_pool import HotPool, Slab
+
+SLAB_ATTR = "granikv_slab"
+GONE_ATTR = "granikv_evicted"  # set on a node once this core evicted it
+
+
+class TokenAllocator(Protocol):
+    """The part of SGLang's ``TokenToKVPoolAllocator`` (page size 1) the region uses."""
+
+    size: int
+
+    def alloc(self, need_size: int) -> torch.Tensor | None: ...
+
+    def free(self, free_index: torch.Tensor) -> None: ...
+
+    def available_size(self) -> int: ...
+
+
+class HotRegion:
+    """``hot_tokens`` contiguous slots taken out of ``allocator``, handed out as slabs first-fit.
+
+    The slots are taken with one ``allocator.alloc(hot_tokens)`` call, which must return a
+    contiguous ascending range: SGLang's allocator does on a fresh (or just cleared) free list,
+    ``1..hot_tokens``. Anything else is refused (and given back) rather than used. A slab's slots
+    return to the region only whole (:meth:`free`); :meth:`release` gives the whole region back.
+    Each slab gets an id, unique for the region's life (slab ids are never reused).
+    """
+
+    def __init__(self, allocator: TokenAllocator, hot_tokens: int):
+        self.allocator = allocator
+        self.start = self.end = 0
+        self.pool = HotPool(0)
+        self._ids: dict[int, int] = {}  # slab start -> slab id
+        self._next_id = itertools.count()
+        self.carve(hot_tokens)
+
+    @staticmethod
+    def tokens_for(allocator_size: int, hot_fraction: float) -> int:
+        """The HOT slots of a pool of ``allocator_size`` slots: ``floor(size * hot_fraction)``."""
+        if not 0.0 <= hot_fraction < 1.0:
+            raise ValueError(f"hot_fraction must be in [0, 1), got {hot_fraction!r}")
+        return int(allocator_size * hot_fraction)
+
+    # ------------------------------------------------------------------ the region itself
+    def carve(self, hot_tokens: int) -> None:
+        """Take ``hot_tokens`` contiguous slots out of the allocator (the region must be empty)."""
+        if not isinstance(hot_tokens, int) or hot_tokens < 0:
+            raise ValueError(f"HotRegion: hot_tokens must be an int >= 0, got {hot_tokens!r}")
+        if self.capacity:
+            raise RuntimeError("HotRegion.carve: the region already holds slots (release() it first)")
+        if hot_tokens == 0:
+            self.start = self.end = 0
+            self.pool = HotPool(0)
+            return
+        if self.allocator.available_size() < hot_tokens:
+            raise RuntimeError(f"HotRegion: the allocator has {self.allocator.available_size()} free slots, "
+                               f"fewer than the {hot_tokens} HOT slots asked for")
+        ids = self.allocator.alloc(hot_tokens)
+        if ids is None:
+            raise RuntimeError(f"HotRegion: the allocator refused {hot_tokens} slots")
+        ids = ids.to(torch.int64)
+        lo = int(ids[0])
+        if ids.numel() != hot_tokens or not torch.equal(ids.cpu(), torch.arange(lo, lo + hot_tokens)):
+            self.allocator.free(ids)
+            raise RuntimeError(
+                "HotRegion: the allocator's first free slots are not one contiguous range; the HOT "
+                "region must be carved from a fresh or just-cleared allocator (SGLang's free list is "
+                "1..size then)")
+        self.start, self.end = lo, lo + hot_tokens
+        self.pool = HotPool(hot_tokens, offset=lo)
+        self._ids.clear()
+
+    def release(self) -> None:
+        """Give every slot of the region back to the allocator; no slab may be live."""
+        if self.pool.slabs:
+            raise RuntimeError(f"HotRegion.release: {len(self.pool.slabs)} slabs are still live")
+        if self.capacity:
+            self.allocator.free(torch.arange(self.start, self.end, dtype=torch.int64))
+        self.start = self.end = 0
+        self.pool = HotPool(0)
+        self._ids.clear()
+
+    def reset(self) -> None:
+        """Forget every slab (the index was emptied); the region keeps its slots."""
+        self.pool = HotPool(self.capacity, offset=self.start)
+        self._ids.clear()
+
+    def recarve_after_clear(self, hot_tokens: int | None = None) -> None:
+        """The allocator took every slot back (SGLang's ``clear()``, e.g. by ``/flush_cache`` or a
+        resize): forget the slabs and take the region again (``hot_tokens``: a new size)."""
+        n = self.capacity if hot_tokens is None else hot_tokens
+        self.start = self.end = 0
+        self.pool = HotPool(0)
+        self._ids.clear()
+        self.carve(n)
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity
+
+    @property
+    def free_tokens(self) -> int:
+        return self.pool.free_tokens
+
+    @property
+    def used_tokens(self) -> int:
+        return self.pool.used_tokens
+
+    def slots(self) -> torch.Tensor:
+        """Every slot id of the region, ``[capacity]`` int64."""
+        return torch.arange(self.start, self.end, dtype=torch.int64)
+
+    def contains(self, slots: torch.Tensor) -> torch.Tensor:
+        """Bool mask: which of ``slots`` lie in the region."""
+        return (slots >= self.start) & (slots < self.end)
+
+    # ------------------------------------------------------------------ slabs
+    def alloc(self, n: int) -> Slab | None:
+        """A slab of ``n`` contiguous slots, first-fit, or None when no free extent holds ``n``."""
+        slab = self.pool.alloc(n)
+        if slab is not None:
+            self._ids[slab.start] = next(self._next_id)
+        return slab
+
+    def free(self, slab: Slab) -> None:
+        """Return a whole slab to the region (``HotPool.free`` refuses a part or a stranger)."""
+        self.pool.free(slab)
+        del self._ids[slab.start]
+
+    def slab_id(self, slab: Slab) -> int:
+        return self._ids[slab.start]
+
+    def table(self, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The live slab table ``(start, length, slab_id)``, three int64 ``[S]`` tensors sorted by
+        start: what :func:`granikv.sglang_plugin.slab_groups.group_by_slab` takes."""
+        slabs = self.pool.slabs
+        t = torch.tensor([[s.start, s.length, self._ids[s.start]] for s in slabs], dtype=torch.int64).reshape(-1, 3)
+        t = t.to(device)
+        return t[:, 0], t[:, 1], t[:, 2]
+
+
+@dataclass
+class AdmitResult:
+    """What :meth:`HotColdTree.admit_prefix` did. ``where``: ``"hit"`` (the prefix was cached
+    already), ``"hot"`` (its uncached tail ``[cached, n)`` now lives in ``slab``; its COLD rows
+    ``src`` were copied to ``dst``; the caller gives ``src`` back to the allocator) or ``"cold"``
+    (no extent could be had: the prefix stays in its COLD slots, the paged fallback)."""
+
+    where: str
+    cached: int
+    slab: Slab | None = None
+    node: Any = None
+    src: torch.Tensor | None = None
+    dst: torch.Tensor | None = None
+
+
+class HotColdTree:
+    """HOT-first admission and lock-respecting eviction over a radix tree of SGLang's node shape.
+
+    ``free_cold(slots)`` gives a COLD node's slots back to the allocator (SGLang:
+    ``allocator.free_segment(value, start_pos=0)``); ``delete_leaf(node)`` unlinks a leaf from
+    its parent and does the index's own accounting (SGLang: ``RadixCache._delete_leaf`` and its
+    remove event). ``hot_locked`` counts the HOT tokens in locked nodes: call
+    :meth:`before_lock` / :meth:`before_unlock` right before the index's own lock walk.
+    """
+
+    def __init__(self, region: HotRegion, free_cold: Callable[[torch.Tensor], None],
+                 delete_leaf: Callable[[Any], None]):
+        self.region = region
+        self._free_cold = free_cold
+        self._delete_leaf = delete_leaf
+        self._bottom: dict[int, Any] = {}  # slab start -> the lowest node holding its slots
+        self.hot_locked = 0
+        self.counts = {"hit": 0, "hot": 0, "cold": 0}  # admissions by outcome
+        self.evicted_hot_tokens = 0
+        self.evicted_cold_tokens = 0
+        self._seq = itertools.count()
+
+    # ------------------------------------------------------------------ nodes
+    @staticmethod
+    def slab_of(node) -> Slab | None:
+        return getattr(node, SLAB_ATTR, None)
+
+    def register(self, node, slab: Slab) -> None:
+        """``node`` (a new leaf-end node of the index) holds exactly ``slab``'s slots."""
+        if len(node.value) != slab.length:
+            raise ValueError(f"HotColdTree.register: node holds {len(node.value)} slots, {slab} has {slab.length}")
+        setattr(node, SLAB_ATTR, slab)
+        self._bottom[slab.start] = node
+
+    def on_split(self, upper, lower) -> None:
+        """The index split ``lower`` and made ``upper`` of its first tokens (SGLang's
+        ``_split_node``: the new node is the upper part, the old object keeps the rest)."""
+        slab = self.slab_of(lower)
+        if slab is not None:
+            setattr(upper, SLAB_ATTR, slab)
+
+    def top(self, node):
+        """The uppermost node of ``node``'s slab (the slab's nodes are one chain)."""
+        slab = self.slab_of(node)
+        while node.parent is not None and self.slab_of(node.parent) == slab:
+            node = node.parent
+        return node
+
+    @staticmethod
+    def subtree(top) -> list:
+        out, stack = [], [top]
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    def _path_hot(self, node, ref: int) -> int:
+        n, tokens = node, 0
+        while n is not None and n.parent is not None:  # the root (parent None) is never HOT
+            if n.lock_ref == ref and self.slab_of(n) is not None:
+                tokens += len(n.value)
+            n = n.parent
+        return tokens
+
+    def before_lock(self, node) -> None:
+        """Called right before the index adds a lock on ``node``'s path."""
+        self.hot_locked += self._path_hot(node, 0)
+
+    def before_unlock(self, node) -> None:
+        """Called right before the index takes a lock off ``node``'s path."""
+        self.hot_locked -= self._path_hot(node, 1)
+
+    @property
+    def hot_evictable(self) -> int:
+        """HOT tokens cached in unlocked nodes."""
+        return self.region.used_tokens - self.hot_locked
+
+    def reset(self) -> None:
+        self._bottom.clear()
+        self.hot_locked = 0
+        self.region.reset()
+
+    def live_slabs(self) -> dict[int, Any]:
+        """Slab start -> its lowest node, for every slab the index holds."""
+        return dict(self._bottom)
+
+    # ------------------------------------------------------------------ admission
+    def alloc_slab(self, n: int) -> Slab | None:
+        """HOT-first: a free extent of ``n`` slots, else one made by evicting unlocked slabs whole;
+        None when neither can be had (the caller leaves the prefix COLD)."""
+        if self.region.capacity == 0 or n > self.region.capacity:
+            return None
+        slab = self.region.alloc(n)
+        if slab is None and self.evict_hot_extent(n) > 0:
+            slab = self.region.alloc(n)
+        return slab
+
+    def admit_prefix(self, key: Sequence, value: torch.Tensor, n: int, *,
+                     match: Callable[[Sequence], tuple[torch.Tensor, Any]],
+                     insert: Callable[[Sequence, torch.Tensor], Any],
+                     lock: Callable[[Any], None], unlock: Callable[[Any], None],
+                     copy_rows: Callable[[torch.Tensor, torch.Tensor], None]) -> AdmitResult:
+        """Admit the shared prefix ``key[:n]`` whose KV sits at COLD slots ``value[:n]``.
+
+        ``match(prefix) -> (cached_slots, node)`` is the index's longest match (it may split);
+        ``insert(prefix, slots) -> node`` caches ``prefix`` at ``slots`` and returns the node
+        ending at ``len(prefix)``; ``lock`` / ``unlock`` pin a path while room is made;
+        ``copy_rows(dst, src)`` copies the KV rows of every layer. On ``"hot"`` the tail
+        ``[cached, n)`` is cached at a new slab, and ``value[cached:n]`` (``result.src``) is no
+        longer the index's: the caller gives it back to the allocator.
+        """
+        n = min(int(n), len(key))
+        if n <= 0:
+            raise ValueError(f"HotColdTree.admit_prefix: n must be >= 1, got {n}")
+        prefix = key[:n]
+        cached_slots, node = match(prefix)
+        cached = len(cached_slots)
+        if cached >= n:
+            self.counts["hit"] += 1
+            return AdmitResult("hit", cached, node=node)
+        lock(node)  # pin the cached part while room is made
+        try:
+            slab = self.alloc_slab(n - cached)
+        finally:
+            unlock(node)
+        if slab is None:
+            self.counts["cold"] += 1
+            return AdmitResult("cold", cached, node=node)
+        src = value[cached:n].to(torch.int64)
+        dst = torch.arange(slab.start, slab.end, dtype=torch.int64, device=src.device)
+        copy_rows(dst, src)
+        new = insert(prefix, torch.cat((cached_slots.to(torch.int64).to(src.device), dst)))
+        self.register(new, slab)
+        self.counts["hot"] += 1
+        return AdmitResult("hot", cached, slab, new, src, dst)
+
+    # ------------------------------------------------------------------ eviction
+    def _drop_subtree(self, top) -> tuple[int, int]:
+        """Evict ``top`` and everything below it (all unlocked): COLD slots back to the
+        allocator, slabs back to the region whole. Returns (COLD, HOT) slots freed."""
+        if top.lock_ref:
+            raise AssertionError(f"HotColdTree: evicting a locked node (lock_ref={top.lock_ref})")
+        order = self.subtree(top)[::-1]  # children before parents: each is a leaf when deleted
+        slabs: dict[int, Slab] = {}
+        cold = 0
+        for node in order:
+            slab = self.slab_of(node)
+            if slab is None:
+                self._free_cold(node.value)
+                cold += len(node.value)
+            else:
+                slabs[slab.start] = slab
+            self._delete_leaf(node)
+            setattr(node, GONE_ATTR, True)  # SGLang keeps a deleted node's parent link: mark it
+        hot = 0
+        for start, slab in slabs.items():
+            del self._bottom[start]
+            self.region.free(slab)
+            hot += slab.length
+        self.evicted_cold_tokens += cold
+        self.evicted_hot_tokens += hot
+        return cold, hot
+
+    def evict_hot_extent(self, length: int) -> int:
+        """Evict unlocked slabs (each with its subtree) until one free extent holds ``length``
+        slots; returns the HOT slots freed (0: an extent already fits, or none can be made)."""
+        info: dict[int, tuple] = {}
+        tops: dict[int, Any] = {}
+        for start, bottom in self._bottom.items():
+            top = self.top(bottom)
+            if top.lock_ref == 0:
+                sub = self.subtree(top)
+                info[start] = (max(n.last_access_time for n in sub), sum(len(n.value) for n in sub))
+                tops[start] = top
+        window = self.region.pool.eviction_window(length, info)
+        if not window:
+            return 0
+        freed = 0
+        for start in window:
+            if start in self._bottom:  # not already gone below another slab of the window
+                freed += self._drop_subtree(tops[start])[1]
+        return freed
+
+    def evict_cold(self, num_tokens: int, leaves: Iterable, root,
+                   priority: Callable[[Any], Any] = lambda n: n.last_access_time) -> int:
+        """Free at least ``num_tokens`` COLD slots (the allocator's shortfall), lowest
+        ``priority`` first (SGLang: its eviction strategy; LRU by default); returns COLD slots
+        freed (fewer when that is all there is).
+
+        ``leaves`` are the index's evictable leaves (unlocked, no child); HOT ones are skipped:
+        they hold no allocator slot. A COLD parent left childless joins the heap. Once no COLD
+        leaf is left, the unlocked COLD node with children whose subtree was used least recently
+        goes with its subtree (its slabs go whole): an unlocked COLD node is never out of reach.
+        """
+        heap = [(priority(n), next(self._seq), n) for n in leaves
+                if self.slab_of(n) is None and n.lock_ref == 0 and not n.children and n.parent is not None]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens:
+            node = None
+            while heap:
+                _, _, n = heapq.heappop(heap)
+                if self._evictable_cold_leaf(n, root):
+                    node = n
+                    break
+            if node is None:
+                node = self._stalest_blocked_cold(root)
+                if node is None:
+                    break
+            parent = node.parent
+            freed += self._drop_subtree(node)[0]
+            if parent is not root and self._evictable_cold_leaf(parent, root):
+                heapq.heappush(heap, (priority(parent), next(self._seq), parent))
+        return freed
+
+    def _evictable_cold_leaf(self, n, root) -> bool:
+        return (n is not root and n.parent is not None and n.lock_ref == 0 and not n.children
+                and self.slab_of(n) is None and not getattr(n, GONE_ATTR, False))
+
+    def _stalest_blocked_cold(self, root):
+        best, best_key = None, None
+        stack = list(root.children.values())
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if n.lock_ref or not n.children or self.slab_of(n) is not None:
+                continue
+            sub = self.subtree(n)
+            key = (max(m.last_access_time for m in sub), sum(len(m.value) for m in sub))
+            if best_key is None or key < best_key:
+                best, best_key = n, key
+        return best
+
+    def cold_evictable(self, root) -> int:
+        """COLD tokens in unlocked nodes (for checks: the index keeps this as a counter)."""
+        total, stack = 0, list(root.children.values())
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if n.lock_ref == 0 and self.slab_of(n) is None:
+                total += len(n.value)
+        return total
+

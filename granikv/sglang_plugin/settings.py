@@ -1,0 +1,70 @@
+"""The plugin's own settings (environment variables) and how a request names its shared prefix.
+
+No SGLang import. See the package docstring (:mod:`granikv.sglang_plugin`) for the user's view.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+logger = logging.getLogger(__name__)
+
+ENV_HOT_FRACTION = "GRANIKV_HOT_FRACTION"
+ENV_PREFIX_LEN = "GRANIKV_PREFIX_LEN"
+PREFIX_PARAM = "granikv_prefix_len"  # the key in a request's sampling_params.custom_params
+
+DEFAULT_HOT_FRACTION = 0.2
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """``hot_fraction``: share of SGLang's token pool taken as the HOT region, in [0, 1) (0: no
+    HOT region, every prefix COLD: the paged baseline through the same code). ``prefix_len``:
+    the shared-prefix length of a request that names none (0: such a request has none)."""
+
+    hot_fraction: float = DEFAULT_HOT_FRACTION
+    prefix_len: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.hot_fraction, bool) or not isinstance(self.hot_fraction, (int, float)) \
+                or not 0.0 <= float(self.hot_fraction) < 1.0:
+            raise ValueError(f"{ENV_HOT_FRACTION} must be a number in [0, 1), got {self.hot_fraction!r}")
+        if isinstance(self.prefix_len, bool) or not isinstance(self.prefix_len, int) or self.prefix_len < 0:
+            raise ValueError(f"{ENV_PREFIX_LEN} must be an int >= 0, got {self.prefix_len!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "PluginSettings":
+        env = os.environ if environ is None else environ
+        frac = env.get(ENV_HOT_FRACTION, "").strip()
+        plen = env.get(ENV_PREFIX_LEN, "").strip()
+        try:
+            hot_fraction = float(frac) if frac else DEFAULT_HOT_FRACTION
+        except ValueError:
+            raise ValueError(f"{ENV_HOT_FRACTION} must be a number in [0, 1), got {frac!r}") from None
+        try:
+            prefix_len = int(plen) if plen else 0
+        except ValueError:
+            raise ValueError(f"{ENV_PREFIX_LEN} must be an int >= 0, got {plen!r}") from None
+        return cls(hot_fraction, prefix_len)
+
+
+def shared_prefix_len(custom_params: Any, prompt_len: int, settings: PluginSettings) -> int:
+    """The number of leading prompt tokens a request declares shared (0: none), at most its
+    prompt's length.
+
+    ``custom_params[PREFIX_PARAM]`` (an int >= 0) wins; a request without it gets
+    ``settings.prefix_len`` when its prompt is at least that long, else 0. A malformed value is
+    ignored with a warning (a bad request must not stop the scheduler): the request has none.
+    """
+    value = None
+    if isinstance(custom_params, Mapping) and PREFIX_PARAM in custom_params:
+        value = custom_params[PREFIX_PARAM]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            logger.warning("granikv: ignoring custom_params[%r]=%r (an int >= 0 is expected)", PREFIX_PARAM, value)
+            return 0
+        return min(value, prompt_len)
+    if settings.prefix_len and prompt_len >= settings.prefix_len:
+        return settings.prefix_len
+    return 0

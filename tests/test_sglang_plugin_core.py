@@ -1,0 +1,389 @@
+"""The plugin's pure core against a model of SGLang's allocator and radix cache: the HOT region
+carved out of the token pool, HOT-first admission with the COLD fallback, eviction that never
+touches a locked slab and returns a slab only whole, the pool's accounting, and a seeded random
+workload checked after every step (no slot owned twice, free + used = capacity, slabs
+contiguous, KV rows where the index says they are)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from granikv.sglang_plugin.hot_region import GONE_ATTR, SLAB_ATTR, HotColdTree, HotRegion
+from test_sglang_plugin_model import ModelAllocator, ModelRadixCache, ModelReq
+
+
+def toks(start, n):
+    return list(range(start, start + n))
+
+
+def check(c: ModelRadixCache, running=()):
+    """Every invariant the plugin promises, over allocator + region + index + running requests."""
+    a, region = c.allocator, c.region
+    private = [c.req_to_token[r.req_pool_idx, r.cache_protected_len:r.fill_len].to(torch.int64) for r in running]
+    nodes = c.nodes()
+    cold = [n.value for n in nodes if getattr(n, SLAB_ATTR, None) is None]
+    owned = torch.cat([a.free_slots(), region.slots()] + cold + private)
+    assert sorted(owned.tolist()) == list(range(1, a.size + 1)), "a slot is owned twice or by no one"
+    # the region: free + used = capacity, slabs disjoint and contiguous, every HOT node inside its slab
+    assert region.free_tokens + region.used_tokens == region.capacity
+    slabs = region.pool.slabs
+    for s, t in zip(slabs, slabs[1:]):
+        assert s.end <= t.start
+    assert all(region.start <= s.start and s.end <= region.end for s in slabs)
+    by_slab: dict[int, list] = {}
+    for n in nodes:
+        slab = getattr(n, SLAB_ATTR, None)
+        if slab is not None:
+            v = n.value
+            assert torch.equal(v, torch.arange(int(v[0]), int(v[0]) + len(v))), "a HOT node is not contiguous"
+            assert slab.start <= int(v[0]) and int(v[-1]) < slab.end
+            by_slab.setdefault(slab.start, []).append(n)
+    assert sorted(by_slab) == [s.start for s in slabs], "a live slab without nodes, or nodes of a freed slab"
+    for start, group in by_slab.items():  # a slab's nodes are one chain covering it exactly
+        assert sorted(int(x) for g in group for x in g.value) == list(range(start, start + len(torch.cat([g.value for g in group]))))
+        assert sum(len(g.value) for g in group) == region.pool._live[start]
+    # SGLang's pool check: available + evictable + protected + held by running requests == size
+    assert a.available_size() + c.evictable_size() + c.protected_size() + sum(len(p) for p in private) == a.size
+    assert c.evictable_size() == c.hot.cold_evictable(c.root_node)
+    # KV: every cached token's row holds (token, position); so does every running request's row
+    stack = [(ch, 0) for ch in c.root_node.children.values()]
+    while stack:
+        n, depth = stack.pop()
+        want = torch.stack((torch.tensor(n.key, dtype=torch.float32),
+                            torch.arange(depth, depth + len(n.key), dtype=torch.float32)), 1)
+        assert torch.equal(a.k[n.value], want), f"KV rows of {n} are not its tokens'"
+        stack.extend((ch, depth + len(n.key)) for ch in n.children.values())
+    for r in running:
+        row = c.req_to_token[r.req_pool_idx, : r.fill_len].to(torch.int64)
+        ids = (r.origin_input_ids + r.output_ids)[: r.fill_len]
+        assert torch.equal(a.k[row, 0], torch.tensor(ids, dtype=torch.float32))
+        assert torch.equal(a.k[row, 1], torch.arange(r.fill_len, dtype=torch.float32))
+
+
+def prefill(c, req, chunk=None):
+    """Schedule and prefill ``req`` (in chunks of ``chunk`` tokens), then cache it unfinished."""
+    c.schedule(req)
+    total = len(req.origin_input_ids)
+    while req.fill_len < total:
+        step = total - req.fill_len if chunk is None else min(chunk, total - req.fill_len)
+        assert c.extend(req, step)
+        if req.fill_len < total:
+            c.cache_unfinished_req(req, chunked=True)
+    c.cache_unfinished_req(req)
+
+
+def finish(c, req, out=2):
+    for i in range(out):
+        assert c.decode(req, 10_000 + i)
+    c.cache_finished_req(req)
+
+
+# ---------------------------------------------------------------------- the region
+def test_region_is_carved_from_the_head_of_a_fresh_allocator():
+    a = ModelAllocator(100)
+    r = HotRegion(a, 20)
+    assert (r.start, r.end, r.capacity) == (1, 21, 20)
+    assert a.available_size() == 80
+    assert int(a.alloc(80).min()) == 21 and a.alloc(1) is None  # the allocator never hands out a HOT slot
+    assert r.contains(torch.tensor([0, 1, 20, 21])).tolist() == [False, True, True, False]
+
+
+def test_region_refuses_a_fragmented_free_list_and_gives_the_slots_back():
+    a = ModelAllocator(10)
+    x = a.alloc(10)
+    a.free(x[[3, 1, 2]])  # free list 4, 2, 3: not one ascending range
+    with pytest.raises(RuntimeError, match="contiguous"):
+        HotRegion(a, 3)
+    assert a.available_size() == 3
+    with pytest.raises(RuntimeError, match="fewer"):
+        HotRegion(a, 4)
+
+
+def test_region_slabs_are_first_fit_whole_only_and_keep_their_slots():
+    a = ModelAllocator(100)
+    r = HotRegion(a, 30)
+    s1, s2, s3 = r.alloc(10), r.alloc(5), r.alloc(10)
+    assert [s.start for s in (s1, s2, s3)] == [1, 11, 16]
+    assert r.alloc(6) is None  # 5 free at the end: no extent of 6
+    with pytest.raises(ValueError, match="only whole"):
+        r.free(type(s1)(s1.start, 4))
+    r.free(s2)
+    assert r.alloc(6) is None and r.alloc(5).start == 11  # first fit: the hole of 5
+    assert a.available_size() == 70  # slabs come and go inside the region
+    starts, lens, ids = r.table()
+    assert starts.tolist() == [1, 11, 16] and lens.tolist() == [10, 5, 10]
+    assert ids.tolist() == [0, 3, 2]  # ids are never reused
+    with pytest.raises(RuntimeError, match="still live"):
+        r.release()
+
+
+def test_region_release_and_recarve_after_the_allocator_is_cleared():
+    a = ModelAllocator(50)
+    r = HotRegion(a, 10)
+    r.alloc(4)
+    a.clear()  # SGLang's clear(): every slot free again, the region's too
+    r.recarve_after_clear()
+    assert (r.start, r.end, r.used_tokens) == (1, 11, 0) and a.available_size() == 40
+    r.release()
+    assert a.available_size() == 50 and r.capacity == 0 and r.alloc(1) is None
+
+
+def test_hot_fraction_sizes_the_region():
+    assert HotRegion.tokens_for(1000, 0.2) == 200 and HotRegion.tokens_for(7, 0.5) == 3
+    with pytest.raises(ValueError):
+        HotRegion.tokens_for(10, 1.0)
+
+
+# ---------------------------------------------------------------------- admission
+def test_a_named_prefix_is_admitted_hot_and_its_cold_slots_go_back():
+    a = ModelAllocator(200)
+    c = ModelRadixCache(a, 8, 256, hot_fraction=0.25)  # HOT slots 1..50
+    r = ModelReq(toks(0, 30) + toks(500, 5), prefix_len=30)
+    prefill(c, r)
+    assert c.last_admit.where == "hot" and c.last_admit.slab.start == 1
+    row = c.req_to_token[r.req_pool_idx, :35].to(torch.int64)
+    assert row[:30].tolist() == list(range(1, 31))  # the request now reads its prefix from the slab
+    assert int(row[30:].min()) > 50  # its suffix stays COLD
+    assert a.available_size() == 150 - 5  # the 30 COLD copies went back
+    check(c, [r])
+    finish(c, r)
+    check(c)
+
+
+def test_a_second_request_shares_the_slab_and_frees_its_duplicates():
+    a = ModelAllocator(200)
+    c = ModelRadixCache(a, 8, 256, hot_fraction=0.25)
+    r1 = ModelReq(toks(0, 30) + [900], prefix_len=30)
+    prefill(c, r1)
+    r2 = ModelReq(toks(0, 30) + [901, 902], prefix_len=30)
+    prefill(c, r2)  # matched the slab at schedule time: only its suffix was computed
+    assert r2.cache_protected_len == 32 and c.hot.counts == {"hit": 1, "hot": 1, "cold": 0}
+    assert c.req_to_token[r2.req_pool_idx, :30].tolist() == list(range(1, 31))
+    check(c, [r1, r2])
+    # prefilled together (both missed at schedule time): the second one's prefix is a duplicate
+    r3 = ModelReq(toks(100, 20) + [1], prefix_len=20)
+    r4 = ModelReq(toks(100, 20) + [2], prefix_len=20)
+    c.schedule(r3), c.schedule(r4)
+    assert c.extend(r3, 21) and c.extend(r4, 21)
+    c.cache_unfinished_req(r3)
+    c.cache_unfinished_req(r4)
+    assert c.req_to_token[r4.req_pool_idx, :20].tolist() == list(range(31, 51))
+    check(c, [r1, r2, r3, r4])
+    for r in (r1, r2, r3, r4):
+        finish(c, r)
+    check(c)
+
+
+def test_no_extent_means_the_prefix_stays_cold():
+    a = ModelAllocator(200)
+    c = ModelRadixCache(a, 8, 256, hot_fraction=0.1)  # HOT 20 slots
+    big = ModelReq(toks(0, 25) + [1], prefix_len=25)
+    prefill(c, big)
+    assert c.last_admit.where == "cold"  # longer than the whole region
+    assert int(c.req_to_token[big.req_pool_idx, :25].min()) > 20
+    r1 = ModelReq(toks(100, 15) + [1], prefix_len=15)
+    prefill(c, r1)  # HOT, and locked by its running request
+    r2 = ModelReq(toks(200, 10) + [1], prefix_len=10)
+    prefill(c, r2)  # 5 HOT slots free, the only slab locked: COLD
+    assert c.last_admit.where == "cold" and c.hot.counts["cold"] == 2
+    check(c, [big, r1, r2])
+
+
+def test_an_unlocked_slab_is_evicted_whole_to_make_room_and_a_locked_one_never():
+    a = ModelAllocator(300)
+    c = ModelRadixCache(a, 8, 256, hot_fraction=0.1)  # HOT 30 slots: 1..30
+    live = ModelReq(toks(0, 10) + [1], prefix_len=10)
+    prefill(c, live)  # slab [1, 11), stays locked
+    done = ModelReq(toks(100, 10) + [1], prefix_len=10)
+    prefill(c, done)  # slab [11, 21)
+    finish(c, done)  # unlocked now: stale
+    old_row = c.req_to_token[live.req_pool_idx, :10].clone()
+    new = ModelReq(toks(200, 20) + [1], prefix_len=20)  # needs 20 contiguous: only [11, 31) can be made
+    prefill(c, new)
+    assert c.last_admit.where == "hot" and c.last_admit.slab.start == 11
+    assert c.hot.evicted_hot_tokens == 10 and c.match_prefix(toks(100, 10))[0].numel() == 0
+    assert torch.equal(c.req_to_token[live.req_pool_idx, :10], old_row)  # the locked slab did not move
+    check(c, [live, new])
+    blocked = ModelReq(toks(300, 5) + [1], prefix_len=5)
+    prefill(c, blocked)  # every slab locked and no slot free: COLD, nothing evicted
+    assert c.last_admit.where == "cold" and c.hot.evicted_hot_tokens == 10
+    check(c, [live, new, blocked])
+
+
+def test_cold_eviction_never_frees_hot_slots_and_reaches_cold_above_hot():
+    a = ModelAllocator(100)
+    c = ModelRadixCache(a, 8, 256, hot_fraction=0.2)  # HOT 20, COLD 80
+    # a COLD prefix, then a request naming a longer prefix: COLD [0, 10) with a HOT [10, 20) below it
+    r0 = ModelReq(toks(0, 10) + [7])
+    prefill(c, r0)
+    finish(c, r0)
+    r1 = ModelReq(toks(0, 20) + [8], prefix_len=20)
+    prefill(c, r1)
+    assert c.last_admit.where == "hot" and c.last_admit.cached == 10
+    finish(c, r1)
+    check(c)
+    hot_before = c.region.used_tokens
+    # fill COLD: the allocator's shortfall is evicted from COLD leaves first, never from HOT
+    rs = [ModelReq(toks(1000 + 100 * i, 20)) for i in range(3)]
+    for r in rs:
+        prefill(c, r)
+    check(c, rs)
+    assert c.region.used_tokens == hot_before
+    for r in rs:
+        finish(c, r, out=0)
+    # asking for every evictable COLD token reaches the COLD node above the slab: it goes with it
+    want = c.evictable_size()
+    assert c.evict(want) == want
+    assert c.evictable_size() == 0 and c.region.used_tokens == 0 and c.nodes() == []
+    check(c)
+
+
+def test_cold_pressure_leaves_an_unlocked_slab_that_nothing_cold_sits_above():
+    a = ModelAllocator(100)
+    c = ModelRadixCache(a, 8, 256, hot_fraction=0.2)
+    r = ModelReq(toks(0, 12) + toks(50, 6), prefix_len=12)
+    prefill(c, r)
+    finish(c, r, out=3)  # cached: HOT [0, 12), COLD suffix and decoded tokens below it
+    assert c.evict(10_000) == 9  # the COLD tail (6 + 3 decoded) goes; its HOT parent is a leaf now but frees no allocator slot
+    assert c.region.used_tokens == 12 and c.hot.evicted_hot_tokens == 0
+    assert c.match_prefix(toks(0, 12))[0].tolist() == list(range(1, 13))
+    check(c)
+
+
+def test_a_locked_hot_node_is_never_evicted_by_cold_pressure():
+    a = ModelAllocator(60)
+    c = ModelRadixCache(a, 8, 256, hot_fraction=0.25)  # HOT 15, COLD 45
+    live = ModelReq(toks(0, 15) + toks(50, 10), prefix_len=15)
+    prefill(c, live)
+    done = ModelReq(toks(500, 30))
+    prefill(c, done)
+    finish(c, done, out=0)
+    assert c.evict(10_000) == 30  # all it can: the unlocked COLD node, none of the running request's
+    assert getattr(live.last_node, GONE_ATTR, False) is False
+    assert c.match_prefix(toks(0, 15))[0].tolist() == list(range(1, 16))
+    check(c, [live])
+
+
+def test_a_chunked_prefix_is_kept_with_its_request_then_admitted_whole():
+    a = ModelAllocator(400)
+    c = ModelRadixCache(a, 8, 256, hot_fraction=0.25)
+    r = ModelReq(toks(0, 64) + [5, 6], prefix_len=64)
+    c.schedule(r)
+    assert c.extend(r, 16)
+    c.cache_unfinished_req(r, chunked=True)
+    assert c.nodes() == [] and r.prefix_indices.numel() == 16  # not cached yet: the request holds it
+    check(c, [r])
+    while r.fill_len < 66:
+        assert c.extend(r, min(16, 66 - r.fill_len))
+        if r.fill_len < 66:
+            c.cache_unfinished_req(r, chunked=True)
+    c.cache_unfinished_req(r)
+    assert c.last_admit.where == "hot" and c.last_admit.slab.length == 64
+    check(c, [r])
+    finish(c, r)
+    check(c)
+
+
+def test_the_default_prefix_length_names_every_long_enough_prompt():
+    a = ModelAllocator(200)
+    c = ModelRadixCache(a, 8, 256, hot_fraction=0.25, prefix_len=12)
+    r = ModelReq(toks(0, 12) + [1, 2])
+    prefill(c, r)
+    assert c.last_admit.where == "hot"
+    short = ModelReq(toks(300, 5))
+    c._hot_len = 0
+    prefill(c, short)
+    assert c.hot.counts["hot"] == 1 and c.region.used_tokens == 12
+    check(c, [r, short])
+
+
+def test_flush_empties_the_index_and_takes_the_region_again():
+    a = ModelAllocator(100)
+    c = ModelRadixCache(a, 8, 256, hot_fraction=0.2)
+    r = ModelReq(toks(0, 10) + [1], prefix_len=10)
+    prefill(c, r)
+    finish(c, r)
+    c.reset()  # Scheduler.flush_cache: tree_cache.reset(), req_to_token_pool.clear(), allocator.clear()
+    a.clear()
+    assert c.region.used_tokens == 0 and a.available_size() == 80
+    check(c)
+    r = ModelReq(toks(0, 10) + [1], prefix_len=10)
+    prefill(c, r)
+    assert c.last_admit.where == "hot" and c.last_admit.slab.start == 1
+    check(c, [r])
+
+
+def test_hot_fraction_zero_is_the_paged_baseline():
+    a = ModelAllocator(100)
+    c = ModelRadixCache(a, 8, 256, hot_fraction=0.0)
+    r = ModelReq(toks(0, 10) + [1], prefix_len=10)
+    prefill(c, r)
+    assert c.last_admit.where == "cold" and c.region.capacity == 0 and a.available_size() == 89
+    check(c, [r])
+
+
+def test_the_core_refuses_to_evict_a_locked_node():
+    a = ModelAllocator(50)
+    c = ModelRadixCache(a, 8, 256, hot_fraction=0.2)
+    r = ModelReq(toks(0, 5) + [1], prefix_len=5)
+    prefill(c, r)
+    with pytest.raises(AssertionError, match="locked"):
+        c.hot._drop_subtree(r.last_node)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workload_keeps_every_invariant(seed):
+    rnd = random.Random(seed)
+    a = ModelAllocator(rnd.choice([160, 240]), need_sort=bool(seed % 2))
+    c = ModelRadixCache(a, 16, 128, hot_fraction=rnd.choice([0.15, 0.3]))
+    prefixes = [toks(1000 * (i + 1), rnd.randint(4, 40)) for i in range(8)]
+    running: list[ModelReq] = []
+    for step in range(60):
+        op = rnd.random()
+        if op < 0.45 and len(running) < 6:
+            p = rnd.choice(prefixes)
+            cut = rnd.choice([len(p), len(p), rnd.randint(1, len(p))])  # sometimes a shorter shared part
+            req = ModelReq(p + toks(rnd.randint(0, 10 ** 6) * 10, rnd.randint(1, 6)),
+                           prefix_len=rnd.choice([cut, cut, None]))
+            need = len(req.origin_input_ids)
+            if a.available_size() + c.evictable_size() < need + 8:
+                continue  # the scheduler would not admit it (rem_total_tokens)
+            locked_hot = {getattr(n, SLAB_ATTR).start: n for r in running for n in _path(r.last_node)
+                          if getattr(n, SLAB_ATTR, None) is not None}
+            prefill(c, req, chunk=rnd.choice([None, 8, 16]))
+            running.append(req)
+            for start, node in locked_hot.items():  # a locked slab was neither evicted nor moved
+                assert not getattr(node, GONE_ATTR, False) and getattr(node, SLAB_ATTR).start == start
+        elif op < 0.75 and running:
+            req = rnd.choice(running)
+            if a.available_size() + c.evictable_size() > 2:
+                assert c.decode(req, rnd.randint(0, 99))
+        elif running:
+            req = running.pop(rnd.randrange(len(running)))
+            c.cache_finished_req(req, is_insert=rnd.random() < 0.9)
+        elif rnd.random() < 0.2:
+            c.evict(rnd.randint(1, 40))
+        check(c, running)
+    for req in running:
+        c.cache_finished_req(req)
+    check(c)
+    assert c.hot.hot_locked == 0
+    assert c.hot.counts["hot"] > 0
+
+
+def _path(node):
+    while node is not None and node.parent is not None:
+        yield node
+        node = node.parent
+
+
+def test_hot_cold_tree_refuses_a_node_that_does_not_fill_its_slab():
+    a = ModelAllocator(20)
+    t = HotColdTree(HotRegion(a, 10), free_cold=a.free, delete_leaf=lambda n: None)
+    slab = t.region.alloc(4)
+    node = type("N", (), {})()
+    node.value = torch.arange(1, 4)
+    with pytest.raises(ValueError, match="holds 3 slots"):
+        t.register(node, slab)

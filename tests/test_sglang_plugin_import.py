@@ -1,0 +1,105 @@
+"""The plugin where SGLang is absent: it imports cleanly, load() does nothing (quietly), the entry
+point resolves; its settings and how a request names its shared prefix."""
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import logging
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from granikv.sglang_plugin.settings import PREFIX_PARAM, PluginSettings, shared_prefix_len
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# SGLang absent, whatever this machine has: a None entry in sys.modules makes `import sglang`
+# fail and importlib.util.find_spec("sglang") answer None
+_NO_SGLANG = """
+import sys
+sys.modules["sglang"] = None
+"""
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _NO_SGLANG + code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+
+
+def test_the_plugin_imports_and_loads_without_sglang_quietly():
+    r = _run("""
+import logging
+records = []
+class Keep(logging.Handler):
+    def emit(self, rec): records.append(rec)
+log = logging.getLogger("granikv.sglang_plugin"); log.addHandler(Keep()); log.setLevel(logging.DEBUG)
+import granikv.sglang_plugin as p
+p.load()
+p.load()
+assert not any(m.startswith("sglang.") for m in sys.modules) and sys.modules["sglang"] is None, "sglang was imported"
+assert records and all(r.levelno == logging.DEBUG for r in records), [(r.levelname, r.getMessage()) for r in records]
+assert "sglang is not installed" in records[0].getMessage()
+try:
+    import granikv.sglang_plugin.cache
+except ImportError as e:
+    print("adapter refused:", e.name)
+print("OK")
+""")
+    assert r.returncode == 0 and r.stdout.split()[-1] == "OK", r.stdout + r.stderr
+    assert "adapter refused: sglang" in r.stdout
+
+
+@pytest.mark.parametrize("module", ["__init__", "settings", "hot_region", "slab_groups"])
+def test_only_the_adapter_imports_sglang(module):
+    """No module but cache.py imports SGLang at import time (load() imports cache.py lazily)."""
+    tree = ast.parse((ROOT / "granikv" / "sglang_plugin" / f"{module}.py").read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in names if m == "sglang" or m.startswith(("sglang.", "granikv.sglang_plugin.cache"))]
+
+
+def test_the_entry_point_is_declared_and_found_as_sglang_finds_plugins(tmp_path):
+    proj = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    value = proj["entry-points"]["sglang.srt.plugins"]["granikv"]
+    assert value == "granikv.sglang_plugin:load"
+    # SGLang: importlib.metadata.entry_points(group="sglang.srt.plugins"), then ep.load()
+    dist = tmp_path / "granikv_probe-0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: granikv-probe\nVersion: 0.0\n")
+    (dist / "entry_points.txt").write_text(f"[sglang.srt.plugins]\ngranikv = {value}\n")
+    (d,) = importlib.metadata.distributions(path=[str(tmp_path)])
+    (ep,) = [e for e in d.entry_points if e.group == "sglang.srt.plugins"]
+    import granikv.sglang_plugin as p
+
+    assert ep.name == "granikv" and ep.load() is p.load
+
+
+# ---------------------------------------------------------------------- settings
+def test_settings_from_the_environment():
+    assert PluginSettings.from_env({}) == PluginSettings(0.2, 0)
+    assert PluginSettings.from_env({"GRANIKV_HOT_FRACTION": "0.35", "GRANIKV_PREFIX_LEN": "2048"}) == \
+        PluginSettings(0.35, 2048)
+    assert PluginSettings.from_env({"GRANIKV_HOT_FRACTION": "0"}).hot_fraction == 0.0
+    for env in ({"GRANIKV_HOT_FRACTION": "1"}, {"GRANIKV_HOT_FRACTION": "-0.1"}, {"GRANIKV_HOT_FRACTION": "a lot"},
+                {"GRANIKV_PREFIX_LEN": "-1"}, {"GRANIKV_PREFIX_LEN": "1.5"}):
+        with pytest.raises(ValueError, match="GRANIKV_"):
+            PluginSettings.from_env(env)
+
+
+def test_a_request_names_its_shared_prefix_in_custom_params(caplog):
+    s = PluginSettings(0.2, 0)
+    assert shared_prefix_len({PREFIX_PARAM: 100}, 300, s) == 100
+    assert shared_prefix_len({PREFIX_PARAM: 500}, 300, s) == 300  # at most the prompt
+    assert shared_prefix_len({PREFIX_PARAM: 0}, 300, PluginSettings(0.2, 50)) == 0  # the field wins
+    assert shared_prefix_len({"__req__": object()}, 300, s) == 0  # SGLang adds __req__ to the dict
+    assert shared_prefix_len(None, 300, s) == 0
+    assert shared_prefix_len(None, 300, PluginSettings(0.2, 256)) == 256
+    assert shared_prefix_len(None, 200, PluginSettings(0.2, 256)) == 0  # too short for the default
+    with caplog.at_level(logging.WARNING):
+        for bad in (-3, "12", 1.5, True):
+            assert shared_prefix_len({PREFIX_PARAM: bad}, 300, s) == 0
+    assert len(caplog.records) == 4
