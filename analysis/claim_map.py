@@ -20,7 +20,6 @@ Writes tables/claim_map.{csv,md} (one row per claim and experiment) and tables/e
 """
 from __future__ import annotations
 
-import math
 import shlex
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.clean import all_cells
+from analysis.coverage import _norm
 from analysis.common import parse_selectors, select, with_derived, write_table
 from analysis.load import Results
 
@@ -37,14 +37,6 @@ FIGURES: tuple[str, ...] = ()
 FRAME_SWEEPS = {"steps": ("dispatch_overhead",)}   # frame -> the sweep presets made for it
 
 
-def _norm(v):
-    if v is None or (isinstance(v, (float, np.floating)) and math.isnan(v)):
-        return None
-    if isinstance(v, (bool, np.bool_)):
-        return bool(v)
-    if isinstance(v, (int, float, np.integer, np.floating)):
-        return float(v)
-    return v
 
 
 def planned_frame(items) -> pd.DataFrame:

@@ -156,19 +156,9 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    """(status, body) of a GET; status 0 when nothing answered."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read() or b""
-    except (urllib.error.URLError, OSError):
-        return 0, b""
-
-
-def http_post(url: str, timeout: float = 30.0) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, data=b"", method="POST")
+def http(method: str, url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    """(status, body) of a GET or an empty-bodied POST; status 0 when nothing answered."""
+    req = urllib.request.Request(url, data=b"" if method == "POST" else None, method=method)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read()
@@ -176,6 +166,14 @@ def http_post(url: str, timeout: float = 30.0) -> tuple[int, bytes]:
         return e.code, e.read() or b""
     except (urllib.error.URLError, OSError):
         return 0, b""
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    return http("GET", url, timeout)
+
+
+def http_post(url: str, timeout: float = 30.0) -> tuple[int, bytes]:
+    return http("POST", url, timeout)
 
 
 class SGLangServer:
