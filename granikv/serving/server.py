@@ -79,6 +79,13 @@ class ServerSpec:
     port: int                 # 0 = a free port picked at start
     start_timeout_s: float
 
+    def environ(self) -> dict[str, str]:
+        """This process's environment with the spec's additions (its PYTHONPATH goes first)."""
+        env = dict(os.environ)
+        for k, v in self.env:
+            env[k] = f"{v}{os.pathsep}{env['PYTHONPATH']}" if k == "PYTHONPATH" and env.get("PYTHONPATH") else v
+        return env
+
     @property
     def key(self) -> str:
         blob = json.dumps([self.argv, self.env, self.host, self.port])
@@ -206,9 +213,7 @@ class SGLangServer:
                               "system.server.port=0 to pick a free port, or stop the process holding it")
         port = spec.port or _free_port(spec.host)
         argv = [*spec.argv, "--host", spec.host, "--port", str(port)]
-        env = dict(os.environ)
-        for k, v in spec.env:
-            env[k] = f"{v}{os.pathsep}{env['PYTHONPATH']}" if k == "PYTHONPATH" and env.get("PYTHONPATH") else v
+        env = spec.environ()
         with open(log_path, "ab") as log:
             log.write(f"\n==== granikv: starting {' '.join(argv)}\n".encode())
             log.flush()

@@ -102,12 +102,9 @@ class ServerEngine:
 def server_packages(spec) -> dict:
     """Versions of the packages the server's python imports (its PYTHONPATH first), asked of that python."""
     import json
-    import os
     import subprocess
 
-    env = dict(os.environ)
-    for k, v in spec.env:
-        env[k] = f"{v}{os.pathsep}{env['PYTHONPATH']}" if k == "PYTHONPATH" and env.get("PYTHONPATH") else v
+    env = spec.environ()
     code = ("import json, importlib.metadata as m\nout = {}\nfor p in %r:\n    try: out[p] = m.version(p)\n"
             "    except m.PackageNotFoundError: out[p] = None\nprint(json.dumps(out))" % (VERSION_PACKAGES,))
     try:
