@@ -11,6 +11,9 @@ from typing import Any, Optional
 SYSTEMS = ("sglang_default", "sglang_cascade", "hydragen", "granikv")
 ENGINES = ("granikv", "sglang")   # who serves a cell: our compact engine, or a real SGLang server
 BACKENDS = ("paged", "cascade", "hydragen", "granikv")
+# the plugin's SGLang attention backends (granikv.sglang_plugin) -> the system.backend each runs
+PLUGIN_ATTENTION = {"granikv": "granikv", "granikv_cascade": "cascade", "hydragen": "hydragen"}
+RADIX_BACKENDS = ("", "granikv")   # --radix-cache-backend: "" = SGLang's own RadixCache
 DISPATCH = ("table", "dense_only", "cascade_only", "paged_only")
 CASCADE_IMPLS = ("multilevel", "composed")   # backend=cascade, GPU path (see SystemConfig.cascade_impl)
 WORKLOADS = ("synthetic", "sharegpt", "multiprefix")
@@ -75,6 +78,17 @@ class ServerConfig:
     incremental_streaming: bool = True
     decode_log_interval: int = 40            # SGLang's default: one "Decode batch" log line (steps.jsonl) every 40 steps
     extra_args: list[str] = field(default_factory=list)   # appended verbatim to the server's command line
+    # --radix-cache-backend: "" = SGLang's RadixCache; granikv = the plugin's HOT/COLD cache (its HOT
+    # share is system.hot_fraction, passed as GRANIKV_HOT_FRACTION)
+    radix_cache_backend: str = ""
+    # the client names each request's shared prefix (custom_params.granikv_prefix_len = its shared_len);
+    # the plugin's backends need it, SGLang's own ignore it
+    send_prefix_len: bool = False
+
+    @property
+    def uses_plugin(self) -> bool:
+        """Whether the server needs granikv.sglang_plugin loaded (a plugin attention or cache backend)."""
+        return self.attention_backend in PLUGIN_ATTENTION or self.radix_cache_backend == "granikv"
 
     def __post_init__(self):
         _need(bool(self.launcher) and all(p.isidentifier() for p in self.launcher.split(".")),
@@ -83,7 +97,11 @@ class ServerConfig:
         for k in ("start_timeout_s", "request_timeout_s"):
             _need(getattr(self, k) > 0, f"system.server.{k}", "must be > 0 seconds")
         _need(self.decode_log_interval >= 1, "system.server.decode_log_interval", "must be >= 1")
-        owned = {"--model-path", "--tp-size", "--tp", "--port", "--host", "--max-running-requests",
+        _need(self.radix_cache_backend in RADIX_BACKENDS, "system.server.radix_cache_backend",
+              f"'{self.radix_cache_backend}' not in {RADIX_BACKENDS} (\"\" = SGLang's own)")
+        _need(not self.uses_plugin or self.send_prefix_len, "system.server.send_prefix_len",
+              "must be true with a granikv plugin backend: the plugin learns each request's shared prefix from it")
+        owned = {"--radix-cache-backend", "--model-path", "--tp-size", "--tp", "--port", "--host", "--max-running-requests",
                  "--attention-backend", "--mem-fraction-static", "--cuda-graph-max-bs", "--chunked-prefill-size",
                  "--load-format", "--skip-tokenizer-init", "--max-total-tokens", "--random-seed"}
         clash = sorted(a.split("=")[0] for a in self.extra_args if a.split("=")[0] in owned)
@@ -111,9 +129,13 @@ class SystemConfig:
         _need((self.server is not None) == (self.engine != "granikv"), "system.server",
               "is set exactly when system.engine names a server engine (engine=sglang needs a `server:` "
               "block, engine=granikv none)")
-        _need(self.engine == "granikv" or self.backend == "paged", "system.backend",
-              f"engine={self.engine} runs the server's own attention (system.server.attention_backend); "
-              "set backend=paged")
+        if self.engine != "granikv" and self.server is not None:
+            want = PLUGIN_ATTENTION.get(self.server.attention_backend, "paged")
+            _need(self.backend == want, "system.backend",
+                  f"engine={self.engine} runs system.server.attention_backend="
+                  f"'{self.server.attention_backend}', which is backend={want}; set backend={want}")
+            _need(self.server.radix_cache_backend == "granikv" or self.hot_fraction == 0.0, "system.hot_fraction",
+                  "a HOT region in a server needs system.server.radix_cache_backend=granikv; set hot_fraction=0")
         _need(self.backend in BACKENDS, "system.backend", f"'{self.backend}' not in {BACKENDS}")
         _need(self.cascade_impl in CASCADE_IMPLS, "system.cascade_impl", f"'{self.cascade_impl}' not in {CASCADE_IMPLS}")
         _need(self.cascade_impl == "multilevel" or self.backend == "cascade", "system.cascade_impl",

@@ -52,9 +52,9 @@ print("OK")
     assert "adapter refused: sglang" in r.stdout
 
 
-@pytest.mark.parametrize("module", ["__init__", "settings", "hot_region", "slab_groups"])
+@pytest.mark.parametrize("module", ["__init__", "settings", "hot_region", "slab_groups", "step_prefixes", "path_stats"])
 def test_only_the_adapter_imports_sglang(module):
-    """No module but cache.py imports SGLang at import time (load() imports cache.py lazily)."""
+    """Only the adapters (cache.py, attention.py) import SGLang at import time; load() imports them lazily."""
     tree = ast.parse((ROOT / "granikv" / "sglang_plugin" / f"{module}.py").read_text())
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]

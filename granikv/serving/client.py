@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from granikv.sglang_plugin.settings import PREFIX_PARAM
 from granikv.request import Request, RequestRecord
 
 DONE = object()   # the end-of-stream event
@@ -97,17 +98,21 @@ class Replay:
 class ReplayClient:
     """Streams a trace through ``POST {url}/generate`` (aiohttp, one connection per request)."""
 
-    def __init__(self, url: str, incremental: bool = True, timeout_s: float = 3600.0):
+    def __init__(self, url: str, incremental: bool = True, timeout_s: float = 3600.0, send_prefix_len: bool = False):
         self.url, self.incremental, self.timeout_s = url.rstrip("/"), incremental, float(timeout_s)
+        self.send_prefix_len = bool(send_prefix_len)
 
     def replay(self, requests: list[Request]) -> Replay:
         """Serve ``requests`` (arrivals relative to now); raises ReplayError on timeout."""
         return asyncio.run(self._replay(requests))
 
     def payload(self, r: Request) -> dict:
-        return {"input_ids": list(r.prompt_ids), "stream": True,
-                "sampling_params": {"max_new_tokens": int(r.output_len), "ignore_eos": True,
-                                    "temperature": 0.0}}
+        """The /generate body of ``r``; with ``send_prefix_len``, a request with a shared prefix names
+        it in ``custom_params.granikv_prefix_len`` (how the GraniKV plugin learns it)."""
+        sp = {"max_new_tokens": int(r.output_len), "ignore_eos": True, "temperature": 0.0}
+        if self.send_prefix_len and r.shared_len > 0:
+            sp["custom_params"] = {PREFIX_PARAM: int(r.shared_len)}
+        return {"input_ids": list(r.prompt_ids), "stream": True, "sampling_params": sp}
 
     async def _replay(self, requests: list[Request]) -> Replay:
         import aiohttp

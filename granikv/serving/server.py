@@ -42,6 +42,9 @@ from granikv.serving.hf_config import write_model_dir
 
 STATE_ENV, KEEP_ENV = "GRANIKV_SGLANG_STATE", "GRANIKV_SGLANG_KEEP"
 PYTHON_ENV, PYTHONPATH_ENV = "GRANIKV_SGLANG_PYTHON", "GRANIKV_SGLANG_PYTHONPATH"
+# where granikv (and a dist-info naming its sglang.srt.plugins entry point) lies for a plugin server
+# that runs without `pip install -e .` (runners/gpu/sglang.sh sets it)
+PLUGIN_PATH_ENV = "GRANIKV_PLUGIN_PYTHONPATH"
 DEFAULT_STATE = "/tmp/granikv-sglang"
 LOG_TAIL = 40
 # log text -> what to do about it (added to a start failure's message)
@@ -114,6 +117,8 @@ def server_argv(rc: RunConfig, model_dir: Path) -> list[str]:
             raise ValueError(f"config error at `hardware.kv_budget_per_model`: preset '{hw.name}' has no budget "
                              f"for model '{rc.model.name}'; add one")
         argv += ["--max-total-tokens", str(int(budget))]
+    if sc.radix_cache_backend:
+        argv += ["--radix-cache-backend", sc.radix_cache_backend]
     if sc.incremental_streaming:
         argv.append("--incremental-streaming-output")
     if not hw.overlap_schedule:
@@ -127,10 +132,22 @@ def server_spec(rc: RunConfig) -> ServerSpec:
         raise ValueError(f"config error at `system.server`: system '{rc.system.name}' has no server block")
     model_dir = write_model_dir(rc.model, state_dir() / "models", dtype=rc.hardware.dtype)
     env = [("PYTHONUNBUFFERED", "1")]   # the step trace is read from its log while it runs
-    if os.environ.get(PYTHONPATH_ENV):
-        env.append(("PYTHONPATH", os.environ[PYTHONPATH_ENV]))
     sc = rc.system.server
-    return ServerSpec(tuple(server_argv(rc, model_dir)), tuple(env), sc.host, int(sc.port), float(sc.start_timeout_s))
+    argv = tuple(server_argv(rc, model_dir))
+    paths = [os.environ[PYTHONPATH_ENV]] if os.environ.get(PYTHONPATH_ENV) else []
+    if sc.uses_plugin:   # granikv itself and its entry point go on the server's path, its settings in its env
+        paths += [p for p in (os.environ.get(PLUGIN_PATH_ENV) or "").split(os.pathsep) if p]
+        env += [("SGLANG_PLUGINS", "granikv"), ("GRANIKV_HOT_FRACTION", repr(float(rc.system.hot_fraction))),
+                ("GRANIKV_HARDWARE", rc.hardware.name),
+                ("GRANIKV_STATS_FILE", str(plugin_stats_path(argv)))]
+    if paths:
+        env.append(("PYTHONPATH", os.pathsep.join(paths)))
+    return ServerSpec(argv, tuple(env), sc.host, int(sc.port), float(sc.start_timeout_s))
+
+
+def plugin_stats_path(argv: tuple[str, ...]) -> Path:
+    """Where a plugin server's attention backend writes its path counters (one file per command line)."""
+    return state_dir() / "plugin_stats" / (hashlib.sha1(json.dumps(list(argv)).encode()).hexdigest()[:16] + ".json")
 
 
 def _port_free(host: str, port: int) -> bool:

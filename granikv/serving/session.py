@@ -13,7 +13,9 @@ SGLang's logged prefill and decode batches of the measured window (granikv.servi
 """
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Optional
 
 from granikv.config import RunConfig
@@ -68,7 +70,8 @@ class ServerEngine:
         """Warm-up (not measured), flush, the measured replay; ``on_step`` is not called (the server
         steps on its own; its logged batches come back as ``steps``)."""
         sc, srv = self.cfg.system.server, self.server
-        client = ReplayClient(srv.url, incremental=sc.incremental_streaming, timeout_s=sc.request_timeout_s)
+        client = ReplayClient(srv.url, incremental=sc.incremental_streaming, timeout_s=sc.request_timeout_s,
+                              send_prefix_len=sc.send_prefix_len)
         srv.flush_cache()
         warm_stats = None
         if self.cfg.warmup_requests > 0:
@@ -77,10 +80,12 @@ class ServerEngine:
             warm_stats = {"requests": len(w.records), "duration_s": w.duration_s}
             srv.flush_cache()
         start = srv.log_size()
+        before = self.plugin_stats()
         t0 = time.perf_counter()
         rep = self._replay(client, requests, "measured replay")
         wall = time.perf_counter() - t0
         time.sleep(0.2)                       # the last batch lines reach the (unbuffered) log
+        plugin = stats_delta(before, self.plugin_stats(wait_newer_than=before)) if sc.uses_plugin else None
         steps = parse_steps(srv.log_lines(start, srv.log_size()), sc.decode_log_interval)
         decode = [s for s in steps if s["kind"] == "decode"]
         stats = {"engine": "sglang", "duration_s": wall, "replay_duration_s": rep.duration_s,
@@ -93,10 +98,55 @@ class ServerEngine:
                  "cached_prompt_tokens": sum(r.cached_len for r in rep.records)}
         if warm_stats is not None:
             stats["warmup"] = warm_stats
+        if sc.uses_plugin:
+            stats["plugin"] = plugin
         return RunResult(rep.records, steps, stats)
+
+    def plugin_stats(self, wait_newer_than: Optional[dict] = None, timeout_s: float = 5.0) -> Optional[dict]:
+        """The plugin server's path counters (granikv.sglang_plugin.path_stats), None when it writes
+        none; ``wait_newer_than``: wait (up to ``timeout_s``; the backend writes every 2 s) for a file
+        that counts more steps than that one."""
+        path = dict(self.spec.env).get("GRANIKV_STATS_FILE")
+        if not path:
+            return None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                cur = json.loads(Path(path).read_text())
+            except (OSError, ValueError):
+                cur = None
+            old = (wait_newer_than or {}).get("steps", -1)
+            if wait_newer_than is None or (cur is not None and cur.get("steps", 0) > old) \
+                    or time.monotonic() > deadline:
+                return cur
+            time.sleep(0.25)
 
     def log_tail(self) -> list[str]:
         return self.server.log_tail()
+
+
+def stats_delta(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
+    """The plugin counters of the measured window: ``after - before`` for every count and host time
+    (nested dicts key by key); None when the server wrote none."""
+    if after is None:
+        return None
+    if before is None or before.get("pid") != after.get("pid"):
+        before = {}
+
+    def sub(a, b):
+        if isinstance(a, dict):
+            return {k: sub(v, (b or {}).get(k) if isinstance(b, dict) else None) for k, v in a.items()}
+        if isinstance(a, (int, float)) and not isinstance(a, bool) and isinstance(b, (int, float)):
+            return a - b
+        return a
+
+    out = sub(after, before)
+    out["pid"] = after.get("pid")
+    n = max(int(out.get("split_steps") or 0), 1)
+    out["per_split_step_us"] = {k: out.get(f"{k}_us", 0.0) / n for k in ("prefix", "dispatch", "plan")}
+    out.pop("max_batch", None)
+    out["max_batch_since_start"] = after.get("max_batch")
+    return out
 
 
 def server_packages(spec) -> dict:

@@ -1,5 +1,6 @@
-"""GraniKV as an SGLang plugin: the ``granikv`` radix cache backend (HOT slabs + COLD tokens
-in SGLang's own token pool). The attention backend comes later (see DESIGN.md).
+"""GraniKV as an SGLang plugin: the ``granikv`` radix cache backend (HOT slabs + COLD tokens in
+SGLang's own token pool) and three attention backends, one per prefix policy (``granikv``: the
+calibrated dense / cascade / paged dispatch; ``granikv_cascade``: SGLang-Cascade; ``hydragen``).
 
 Importing this package never imports SGLang; :func:`load` does, and only where SGLang is
 installed. SGLang finds :func:`load` through the entry point ``granikv`` of the group
@@ -8,10 +9,14 @@ processes, before it parses its arguments (``SGLANG_PLUGINS=granikv`` restricts 
 
 Using it::
 
-    GRANIKV_HOT_FRACTION=0.2 python -m sglang.launch_server ... --radix-cache-backend granikv
+    pip install -e '.[sglang]'
+    GRANIKV_HOT_FRACTION=0.2 python -m sglang.launch_server ... \
+        --attention-backend granikv --radix-cache-backend granikv \
+        --cuda-graph-backend-decode breakable
 
-(``--attention-backend granikv`` once the attention backend is registered; until then any of
-SGLang's, e.g. ``flashinfer``, reads the HOT slabs through the same ``req_to_token`` rows.)
+(``breakable``: SGLang captures the decode step in segments broken at each layer's attention, so
+the per-step plan runs on every replayed step; see :mod:`.attention`.) The two baselines in SGLang:
+``--attention-backend granikv_cascade`` or ``hydragen`` with SGLang's own radix cache.
 
 Settings (environment variables of the server, read when the scheduler builds its cache):
 
@@ -19,6 +24,11 @@ Settings (environment variables of the server, read when the scheduler builds it
   (``max_total_num_tokens``) taken as the HOT region, in [0, 1). The region is slots
   ``1..floor(size * fraction)`` of the pool; those slots are no longer the allocator's, so
   COLD (everything else) has the rest. 0: no region, every prefix COLD (the paged baseline).
+- ``GRANIKV_HARDWARE`` (default ``auto``): the ``granikv`` attention backend's decision table:
+  the ``conf/hardware`` preset whose ``gpu_name`` is this GPU's, a preset name, or a YAML path.
+- ``GRANIKV_STATS_FILE`` (default unset): the attention backends write their path counters
+  (steps by path, classes and rows by path, host time of the plan and of the dispatcher) there
+  as JSON.
 - ``GRANIKV_PREFIX_LEN`` (default 0): the shared-prefix length of a request that names none
   (for a workload whose requests all share one prefix of that many tokens); applies to a
   request whose prompt is at least that long. 0: such requests have no shared prefix.
@@ -43,7 +53,9 @@ kept with its request (not cached) until its prefill is done, then admitted whol
 
 Parts: :mod:`.settings` (these settings), :mod:`.hot_region` (the pure core: HOT region,
 admission, eviction), :mod:`.slab_groups` (a batch's requests grouped by slab),
-:mod:`.cache` (the SGLang adapter; imports SGLang).
+:mod:`.step_prefixes` (each request's prefix class and HOT start, off the radix tree),
+:mod:`.path_stats` (counters, decision table), :mod:`.cache` and :mod:`.attention` (the SGLang
+adapters; they import SGLang).
 """
 from __future__ import annotations
 
@@ -64,9 +76,15 @@ __all__ = ["load", "PluginSettings", "shared_prefix_len", "ENV_HOT_FRACTION", "E
            "PREFIX_PARAM"]
 
 
+ATTENTION_BACKENDS = ("granikv", "granikv_cascade", "hydragen")
+INIT_NEW_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+
+
 def load() -> None:
-    """SGLang's entry point: register the ``granikv`` radix cache backend when SGLang is
-    importable; otherwise do nothing (a debug-level log line says so)."""
+    """SGLang's entry point: register the ``granikv`` radix cache backend, the attention backends
+    :data:`ATTENTION_BACKENDS` (and their ``--attention-backend`` choices) and the hook that stages
+    each decode batch's prefixes, when SGLang is importable; otherwise do nothing (a debug-level
+    log line says so). Safe to call twice in one process."""
     if importlib.util.find_spec("sglang") is None:
         logger.debug("granikv.sglang_plugin.load: sglang is not installed; nothing registered")
         return
@@ -74,3 +92,17 @@ def load() -> None:
 
     if register():
         logger.info("granikv: registered radix cache backend 'granikv'")
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS as REGISTRY
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+
+    from granikv.sglang_plugin.attention import make_backend_factory, stage_step_prefixes
+
+    new = [n for n in ATTENTION_BACKENDS if n not in REGISTRY]
+    for name in new:
+        register_attention_backend(name)(make_backend_factory(name))
+    add_attention_backend_choices([n for n in ATTENTION_BACKENDS if n not in ATTENTION_BACKEND_CHOICES])
+    if new:
+        HookRegistry.register(INIT_NEW_TARGET, stage_step_prefixes, HookType.AFTER)
+        logger.info("granikv: registered attention backends %s", ", ".join(new))

@@ -13,6 +13,8 @@ logger = logging.getLogger(__name__)
 
 ENV_HOT_FRACTION = "GRANIKV_HOT_FRACTION"
 ENV_PREFIX_LEN = "GRANIKV_PREFIX_LEN"
+ENV_HARDWARE = "GRANIKV_HARDWARE"
+ENV_STATS_FILE = "GRANIKV_STATS_FILE"
 PREFIX_PARAM = "granikv_prefix_len"  # the key in a request's sampling_params.custom_params
 
 DEFAULT_HOT_FRACTION = 0.2
@@ -22,10 +24,16 @@ DEFAULT_HOT_FRACTION = 0.2
 class PluginSettings:
     """``hot_fraction``: share of SGLang's token pool taken as the HOT region, in [0, 1) (0: no
     HOT region, every prefix COLD: the paged baseline through the same code). ``prefix_len``:
-    the shared-prefix length of a request that names none (0: such a request has none)."""
+    the shared-prefix length of a request that names none (0: such a request has none).
+    ``hardware``: where the ``granikv`` attention backend's decision table comes from: ``auto``
+    (the ``conf/hardware`` preset whose ``gpu_name`` is this GPU's), a preset name (``h200``) or a
+    YAML file path. ``stats_file``: where the attention backends write their path counters as
+    JSON (empty: not written)."""
 
     hot_fraction: float = DEFAULT_HOT_FRACTION
     prefix_len: int = 0
+    hardware: str = "auto"
+    stats_file: str = ""
 
     def __post_init__(self):
         if isinstance(self.hot_fraction, bool) or not isinstance(self.hot_fraction, (int, float)) \
@@ -47,7 +55,8 @@ class PluginSettings:
             prefix_len = int(plen) if plen else 0
         except ValueError:
             raise ValueError(f"{ENV_PREFIX_LEN} must be an int >= 0, got {plen!r}") from None
-        return cls(hot_fraction, prefix_len)
+        return cls(hot_fraction, prefix_len, env.get(ENV_HARDWARE, "").strip() or "auto",
+                   env.get(ENV_STATS_FILE, "").strip())
 
 
 def shared_prefix_len(custom_params: Any, prompt_len: int, settings: PluginSettings) -> int:

@@ -61,6 +61,13 @@ sglang_install() {   # idempotent: the parts -> wheels (sha256 checked) -> $SGL_
 sglang_env_setup() {   # the runner's environment (hydra from .gpu_site/py) and the server's (SGLang first)
   sglang_install || return 2
   export GRANIKV_SGLANG_PYTHONPATH=$SGL_SITE
+  # a plugin server (system.server.uses_plugin) also gets the checkout and a dist-info naming the
+  # granikv entry point of sglang.srt.plugins (what `pip install -e .` would write)
+  local EP=/tmp/granikv_ep/granikv-0.0.0.dist-info
+  mkdir -p "$EP"
+  printf 'Metadata-Version: 2.1\nName: granikv\nVersion: 0.0.0\n' > "$EP/METADATA"
+  printf '[sglang.srt.plugins]\ngranikv = granikv.sglang_plugin:load\n' > "$EP/entry_points.txt"
+  export GRANIKV_PLUGIN_PYTHONPATH=$SGL_ROOT:/tmp/granikv_ep
   export PYTHONPATH=$SGL_ROOT:$SGL_ROOT/.gpu_site/py${PYTHONPATH:+:$PYTHONPATH}
   PY=${PYTHON:-python3}
   if [ -L "$SGL_ROOT/results/raw" ] && [ ! -e "$SGL_ROOT/results/raw" ]; then   # the checkout sent without raw cells

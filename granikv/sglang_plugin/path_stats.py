@@ -1,0 +1,133 @@
+"""The plugin attention backends' own counters (which path each decode step took, and what planning
+it cost on the host), and where the ``granikv`` backend's decision table comes from.
+
+No SGLang import. The counters are written as one JSON object to ``GRANIKV_STATS_FILE`` (atomic
+replace, at most every ``interval_s`` and at exit), so a benchmark reads them after a run: the
+per-step dispatch cost inside SGLang's step is ``dispatch_us / split_steps``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Optional
+
+CONF_HARDWARE = Path(__file__).resolve().parents[2] / "conf" / "hardware"
+
+# why a decode step ran SGLang's own paged path instead of a plan of ours
+PAGED_REASONS = ("no_prefix", "no_split", "staged_mismatch", "no_cpu_seq_lens", "full_graph_replay", "capture")
+
+
+@dataclass
+class PathStats:
+    """Counts since the server started, for one attention backend instance (one TP rank).
+
+    ``steps``: decode steps seen (eager or replayed); ``split_steps``: steps that ran a plan of
+    ours (at least one class off the paged path); ``paged_steps[reason]``: steps that ran SGLang's
+    paged path, by reason (:data:`PAGED_REASONS`); ``classes`` / ``rows``: prefix classes and their
+    request rows by chosen path, over split steps. Host time (microseconds, summed over split
+    steps): ``prefix_us`` reading the requests' prefixes off the radix tree, ``dispatch_us`` the
+    policy's choices (the dispatcher), ``plan_us`` the whole plan (both of those, the KV index
+    build and FlashInfer's plan calls).
+    """
+
+    backend: str
+    policy: str
+    steps: int = 0
+    split_steps: int = 0
+    paged_steps: dict = field(default_factory=lambda: {r: 0 for r in PAGED_REASONS})
+    classes: dict = field(default_factory=lambda: {"paged": 0, "cascade": 0, "dense": 0, "hydragen": 0})
+    rows: dict = field(default_factory=lambda: {"paged": 0, "cascade": 0, "dense": 0, "hydragen": 0})
+    prefix_us: float = 0.0
+    dispatch_us: float = 0.0
+    plan_us: float = 0.0
+    max_batch: int = 0
+
+    def paged(self, reason: str) -> None:
+        if reason not in self.paged_steps:
+            raise ValueError(f"PathStats.paged: unknown reason {reason!r}; one of {PAGED_REASONS}")
+        self.steps += 1
+        self.paged_steps[reason] += 1
+
+    def split(self, decisions: list[dict], prefix_us: float, dispatch_us: float, plan_us: float) -> None:
+        """One split step: ``decisions`` as ``StepPlan.decisions`` gives them (one dict per class)."""
+        self.steps += 1
+        self.split_steps += 1
+        for d in decisions:
+            if d["prefix_id"] < 0:
+                continue
+            self.classes[d["backend"]] += 1
+            self.rows[d["backend"]] += int(d["batch"])
+        self.max_batch = max(self.max_batch, sum(int(d["batch"]) for d in decisions))
+        self.prefix_us += prefix_us
+        self.dispatch_us += dispatch_us
+        self.plan_us += plan_us
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        n = max(self.split_steps, 1)
+        d["per_split_step_us"] = {"prefix": self.prefix_us / n, "dispatch": self.dispatch_us / n,
+                                  "plan": self.plan_us / n}
+        return d
+
+
+class StatsWriter:
+    """Writes a :class:`PathStats` to ``path`` (JSON, atomic replace) at most every ``interval_s``."""
+
+    def __init__(self, path: str, interval_s: float = 2.0):
+        self.path = Path(path) if path else None
+        self.interval_s = float(interval_s)
+        self._last = 0.0
+
+    def maybe_write(self, stats: PathStats, force: bool = False) -> None:
+        if self.path is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < self.interval_s:
+            return
+        self._last = now
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"pid": os.getpid(), **stats.to_dict()}, indent=1, sort_keys=True))
+        os.replace(tmp, self.path)
+
+
+def load_hardware(spec: str, gpu_name: str, conf_dir: Path = CONF_HARDWARE) -> Optional[SimpleNamespace]:
+    """The hardware preset the ``granikv`` backend takes its decision table from.
+
+    ``spec``: ``auto`` (the preset in ``conf_dir`` whose ``gpu_name`` equals ``gpu_name``; None when
+    no preset names this GPU: the dispatcher then uses the paper's A100 rule, and says so), a
+    preset name (``conf_dir/<name>.yaml``) or a path to a YAML file. Raises ValueError naming
+    ``GRANIKV_HARDWARE`` for a file that does not exist or has no ``decision_table``.
+    """
+    import yaml
+
+    def read(p: Path) -> dict:
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"GRANIKV_HARDWARE: {p} is not a YAML mapping")
+        return data
+
+    if spec == "auto":
+        for p in sorted(conf_dir.glob("*.yaml")):
+            data = read(p)
+            if data.get("gpu_name") and data.get("gpu_name") == gpu_name:
+                return SimpleNamespace(name=data.get("name", p.stem), gpu_name=gpu_name,
+                                       decision_table=data.get("decision_table"), source=str(p))
+        return None
+    p = Path(spec) if spec.endswith((".yaml", ".yml")) or os.sep in spec else conf_dir / f"{spec}.yaml"
+    if not p.is_file():
+        known = sorted(q.stem for q in conf_dir.glob("*.yaml"))
+        raise ValueError(f"GRANIKV_HARDWARE={spec!r}: no such file {p}; give a YAML path or one of {known}, or auto")
+    data = read(p)
+    if not data.get("decision_table"):
+        raise ValueError(f"GRANIKV_HARDWARE={spec!r}: {p} has no decision_table (run `python -m runners.calibrate`)")
+    return SimpleNamespace(name=data.get("name", p.stem), gpu_name=data.get("gpu_name") or gpu_name,
+                           decision_table=data["decision_table"], source=str(p))
+
+
+def describe(hw: Optional[Any]) -> str:
+    return "the paper's A100 rule (no preset for this GPU)" if hw is None else f"{hw.name} ({hw.source})"

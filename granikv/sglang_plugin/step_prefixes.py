@@ -1,0 +1,98 @@
+"""Which shared prefix each request of a decode step carries, read from SGLang's radix tree on the host.
+
+Pure Python over objects of SGLang's ``TreeNode`` shape (``parent``, ``value``, ``id``; the slab a
+node's slots lie in, if any, as the attribute :data:`granikv.sglang_plugin.hot_region.SLAB_ATTR`),
+so it runs without SGLang and without touching a device tensor: no host sync in a decode launch.
+
+A request's cached path is the chain of nodes from the root's child down to ``req.last_node``
+(the node its prompt ends in, locked while it runs). Its declared shared prefix is the first
+``n`` prompt tokens (:func:`granikv.sglang_plugin.settings.shared_prefix_len`). Two requests
+whose paths pass through the same node at depth ``n`` (the node that holds position ``n - 1``)
+have the same KV slots for positions ``0..n-1``: that node's id and ``n`` name the prefix class.
+The prefix is one contiguous HOT run when every node from the root's child down to that node lies
+in one slab (the slab then starts at position 0: its slots are ``slab.start + position``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+from granikv.sglang_plugin.hot_region import SLAB_ATTR
+from granikv.sglang_plugin.settings import PluginSettings, shared_prefix_len
+
+
+def _slab_of(node) -> Any:
+    return getattr(node, SLAB_ATTR, None)
+
+
+def request_prefix(last_node, n: int, slab_of: Callable[[Any], Any] = _slab_of) -> tuple[int, int]:
+    """``(prefix_id, hot_start)`` of a request whose cached path ends at ``last_node`` and whose
+    declared shared prefix is ``n`` tokens; ``(-1, -1)`` when it has none (``n`` 0, no path, or a
+    path shorter than ``n``: the prefix is not cached). ``hot_start`` is -1 unless the prefix is
+    one HOT run (see the module docstring). ``prefix_id`` is ``(node id << 32) | n``."""
+    if n <= 0 or last_node is None:
+        return -1, -1
+    path = []
+    node = last_node
+    while node is not None and node.parent is not None:   # the root (parent None) holds no token
+        path.append(node)
+        node = node.parent
+    depth = 0
+    for i in range(len(path) - 1, -1, -1):                # root's child first
+        nd = path[i]
+        depth += len(nd.value)
+        if depth >= n:
+            slab = slab_of(path[-1])
+            hot = slab is not None and slab.length >= n and all(slab_of(path[j]) is slab for j in range(i, len(path)))
+            return (int(nd.id) << 32) | int(n), (int(slab.start) if hot else -1)
+    return -1, -1
+
+
+@dataclass
+class StepPrefixes:
+    """The host lists a decode step's plan needs, one entry per request (``B`` of them).
+
+    ``prefix_ids`` ``[B]`` (equal id <=> identical prefix slots; -1 none), ``prefix_lens`` ``[B]``
+    (declared shared tokens, 0 where the id is -1), ``hot_starts`` ``[B]`` (first HOT slot of a
+    prefix that is one HOT run, else -1). ``host_us``: the host time taken to read them.
+    """
+
+    prefix_ids: list[int] = field(default_factory=list)
+    prefix_lens: list[int] = field(default_factory=list)
+    hot_starts: list[int] = field(default_factory=list)
+    host_us: float = 0.0
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prefix_ids)
+
+    @property
+    def any_prefix(self) -> bool:
+        return any(p >= 0 for p in self.prefix_ids)
+
+
+def step_prefixes(reqs: Iterable[Any], settings: PluginSettings,
+                  slab_of: Callable[[Any], Any] = _slab_of) -> StepPrefixes:
+    """The :class:`StepPrefixes` of a decode batch's requests (SGLang ``Req`` objects: their
+    ``sampling_params.custom_params``, ``origin_input_ids`` and ``last_node``), in batch order."""
+    import time
+
+    t0 = time.perf_counter()
+    out = StepPrefixes()
+    for req in reqs:
+        sp = getattr(req, "sampling_params", None)
+        n = shared_prefix_len(getattr(sp, "custom_params", None), len(req.origin_input_ids), settings)
+        pid, hs = request_prefix(getattr(req, "last_node", None), n, slab_of)
+        out.prefix_ids.append(pid)
+        out.prefix_lens.append(n if pid >= 0 else 0)
+        out.hot_starts.append(hs)
+    out.host_us = (time.perf_counter() - t0) * 1e6
+    return out
+
+
+def staged_for(staged: Optional[StepPrefixes], batch_size: int) -> Optional[StepPrefixes]:
+    """``staged`` when it describes a batch of ``batch_size`` requests, else None (the step then
+    runs SGLang's paged path: a prefix list that does not match the batch is never guessed at)."""
+    if staged is None or staged.batch_size != batch_size:
+        return None
+    return staged

@@ -1,0 +1,246 @@
+"""The plugin attention backends' host side, without SGLang: each request's prefix class and HOT start
+read off a radix path, the staged prefixes of a step, the path counters and their file, where the
+decision table comes from, and the per-class plan the engine's policies make over SGLang-shaped KV
+rows (a HOT slab for GraniKV, paged slots for the two baselines). Plus the in-SGLang systems'
+configs: the server's command line, environment and the client's request body."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from granikv.attention.batch import DecodeBatch
+from granikv.attention.dispatch import Dispatcher
+from granikv.attention.plan import build_plan
+from granikv.attention.policy import make_policy
+from granikv.config import register, to_run_config
+from granikv.request import Request
+from granikv.serving import server as srvmod
+from granikv.serving.client import ReplayClient
+from granikv.serving.session import stats_delta
+from granikv.sglang_plugin.hot_region import SLAB_ATTR
+from granikv.sglang_plugin.path_stats import PathStats, StatsWriter, load_hardware
+from granikv.sglang_plugin.settings import PluginSettings
+from granikv.sglang_plugin.step_prefixes import request_prefix, staged_for, step_prefixes
+
+ROOT = Path(__file__).resolve().parents[1]
+register()
+
+
+class Node:
+    """SGLang's TreeNode shape: parent, value (slots), id."""
+
+    _next = 0
+
+    def __init__(self, parent, n_tokens, slab=None):
+        self.parent, self.value = parent, list(range(n_tokens))
+        Node._next += 1
+        self.id = Node._next
+        if slab is not None:
+            setattr(self, SLAB_ATTR, slab)
+
+
+def chain(*lens, slab=None, hot=0, root=None):
+    """Nodes of ``lens`` tokens below ``root``; the first ``hot`` of them in ``slab``."""
+    node = root or Node(None, 0)
+    for i, n in enumerate(lens):
+        node = Node(node, n, slab if i < hot else None)
+    return node
+
+
+Slab = SimpleNamespace
+
+
+def test_prefix_class_is_the_node_at_depth_n_and_hot_only_when_one_slab_covers_it():
+    root = Node(None, 0)
+    slab = Slab(start=100, length=4096)
+    shared = chain(4096, slab=slab, hot=1, root=root)            # the slab, one node
+    a, b = Node(shared, 40), Node(shared, 33)                     # two suffixes below it
+    pa, ha = request_prefix(a, 4096)
+    pb, hb = request_prefix(b, 4096)
+    assert pa == pb and pa >= 0 and ha == hb == 100
+    # the slab split by the radix tree (upper part keeps the slab attribute): still one HOT run
+    split_top = chain(1000, 3096, slab=slab, hot=2, root=Node(None, 0))
+    assert request_prefix(Node(split_top, 8), 4096)[1] == 100
+    # a prefix whose head is COLD and tail in a slab is not one HOT run
+    mixed = chain(1000, 3096, slab=Slab(start=7, length=3096), hot=0, root=Node(None, 0))
+    setattr(mixed, SLAB_ATTR, Slab(start=7, length=3096))
+    pid, hs = request_prefix(Node(mixed, 8), 4096)
+    assert pid >= 0 and hs == -1
+    # paged storage: same class for two requests, never HOT
+    cold = chain(4096, root=Node(None, 0))
+    p1, h1 = request_prefix(Node(cold, 5), 4096)
+    p2, h2 = request_prefix(Node(cold, 9), 4096)
+    assert p1 == p2 >= 0 and h1 == h2 == -1
+    # a declared prefix shorter than the node it ends in: the node still names it, and a different
+    # length is a different class
+    assert request_prefix(Node(cold, 5), 2048)[0] not in (-1, p1)
+    # no prefix, no path, a path shorter than the prefix
+    assert request_prefix(a, 0) == (-1, -1)
+    assert request_prefix(None, 16) == (-1, -1)
+    assert request_prefix(chain(10), 4096) == (-1, -1)
+
+
+def req(last_node, prompt_len, prefix_len=None):
+    cp = None if prefix_len is None else {"granikv_prefix_len": prefix_len}
+    return SimpleNamespace(last_node=last_node, origin_input_ids=[0] * prompt_len,
+                           sampling_params=SimpleNamespace(custom_params=cp))
+
+
+def test_step_prefixes_reads_each_request_in_batch_order():
+    slab = Slab(start=1, length=512)
+    shared = chain(512, slab=slab, hot=1)
+    other = chain(256)
+    reqs = [req(Node(shared, 4), 516, 512), req(Node(other, 4), 260, 256), req(Node(shared, 9), 521, 512),
+            req(Node(other, 1), 257)]                             # the last names no prefix
+    sp = step_prefixes(reqs, PluginSettings())
+    assert sp.batch_size == 4 and sp.any_prefix
+    assert sp.prefix_lens == [512, 256, 512, 0]
+    assert sp.hot_starts == [1, -1, 1, -1]
+    assert sp.prefix_ids[0] == sp.prefix_ids[2] != sp.prefix_ids[1] and sp.prefix_ids[3] == -1
+    # GRANIKV_PREFIX_LEN names the prefix of a request that does not
+    sp2 = step_prefixes([req(Node(other, 1), 257)], PluginSettings(prefix_len=256))
+    assert sp2.prefix_lens == [256]
+    assert staged_for(sp, 4) is sp and staged_for(sp, 5) is None and staged_for(None, 4) is None
+
+
+def rows_batch(lens, prefixes, hot_starts, slot_of):
+    """A DecodeBatch over SGLang-shaped rows: request i's slots are slot_of(i, position)."""
+    indptr = [0]
+    idx = []
+    for i, n in enumerate(lens):
+        idx += [slot_of(i, p) for p in range(n)]
+        indptr.append(len(idx))
+    ip = torch.tensor(indptr, dtype=torch.int64)
+    return DecodeBatch(ip.int(), torch.tensor(idx, dtype=torch.int32), [p[1] for p in prefixes],
+                       [p[0] for p in prefixes], hot_starts, kv_indptr_host=ip)
+
+
+@pytest.mark.parametrize("backend,want", [("granikv", "dense"), ("granikv_cascade", "cascade"), ("hydragen", "hydragen")])
+def test_each_backends_policy_plans_the_split_over_sglang_rows(backend, want):
+    """32 requests share a 4096-token prefix at HOT slots 1.. (GraniKV) or paged slots (baselines)."""
+    from granikv.config import PLUGIN_ATTENTION
+
+    lp, b = 4096, 32
+    hot = backend == "granikv"
+    base = 1 if hot else 10_000
+
+    def slot(i, p):
+        return base + p if p < lp else 200_000 + i * 64 + (p - lp)
+
+    lens = [lp + 5 + i % 3 for i in range(b)]
+    batch = rows_batch(lens, [(7, lp)] * b, [base if hot else -1] * b, slot)
+    hw = load_hardware("h200", "NVIDIA H200")
+    disp = Dispatcher.from_hardware(hw, 32, 8, 128, gpu_name="NVIDIA H200") if hot else None
+    policy = make_policy(PLUGIN_ATTENTION[backend], disp)
+    step = build_plan(batch, policy, group=4)
+    assert [c.choice for c in step.split] == [want]
+    c = step.split[0]
+    assert c.rows == list(range(b)) and c.prefix_len == lp and c.row_start == 0
+    assert c.slots.tolist() == [slot(0, p) for p in range(lp)]
+    # the rest of each request: its own slots only, in order
+    rest = [step.rest_indices[step.rest_indptr[i]:step.rest_indptr[i + 1]].tolist() for i in range(b)]
+    assert rest == [[slot(i, p) for p in range(lp, lens[i])] for i in range(b)]
+    # the H200 table sends a small class at the same Lp to paged: no split, SGLang's own path
+    small = rows_batch(lens[:2], [(7, lp)] * 2, [base if hot else -1] * 2, slot)
+    if hot:
+        assert build_plan(small, make_policy("granikv", disp), group=4).split == []
+
+
+def test_path_stats_count_and_the_file_is_replaced_whole(tmp_path):
+    st = PathStats("granikv", "granikv")
+    st.paged("no_prefix")
+    st.split([{"prefix_id": 5, "batch": 30, "backend": "dense"}, {"prefix_id": -1, "batch": 2, "backend": "paged"}],
+             prefix_us=10.0, dispatch_us=2.0, plan_us=50.0)
+    with pytest.raises(ValueError, match="unknown reason"):
+        st.paged("bogus")
+    d = st.to_dict()
+    assert d["steps"] == 2 and d["split_steps"] == 1 and d["classes"]["dense"] == 1 and d["rows"]["dense"] == 30
+    assert d["classes"]["paged"] == 0 and d["paged_steps"]["no_prefix"] == 1 and d["max_batch"] == 32
+    w = StatsWriter(str(tmp_path / "s" / "stats.json"), interval_s=3600)
+    w.maybe_write(st)
+    st.paged("no_split")
+    w.maybe_write(st)                                   # within the interval: not rewritten
+    assert json.loads((tmp_path / "s" / "stats.json").read_text())["steps"] == 2
+    w.maybe_write(st, force=True)
+    assert json.loads((tmp_path / "s" / "stats.json").read_text())["steps"] == 3
+    assert [p.name for p in (tmp_path / "s").iterdir()] == ["stats.json"]
+    StatsWriter("").maybe_write(st, force=True)         # no file configured: nothing written, no error
+
+
+def test_the_measured_window_is_after_minus_before():
+    before = {"pid": 7, "steps": 10, "split_steps": 4, "classes": {"dense": 4}, "dispatch_us": 8.0, "prefix_us": 0.0,
+              "plan_us": 40.0, "max_batch": 3, "backend": "granikv"}
+    after = {"pid": 7, "steps": 30, "split_steps": 14, "classes": {"dense": 14}, "dispatch_us": 28.0, "prefix_us": 0.0,
+             "plan_us": 140.0, "max_batch": 32, "backend": "granikv"}
+    d = stats_delta(before, after)
+    assert d["steps"] == 20 and d["classes"]["dense"] == 10 and d["backend"] == "granikv"
+    assert d["per_split_step_us"]["dispatch"] == pytest.approx(2.0) and d["per_split_step_us"]["plan"] == pytest.approx(10.0)
+    assert stats_delta({**before, "pid": 8}, after)["steps"] == 30       # another server: all of it
+    assert stats_delta(before, None) is None
+
+
+def test_decision_table_source(tmp_path):
+    auto = load_hardware("auto", "NVIDIA H200")
+    assert auto is not None and auto.name == "h200" and auto.decision_table
+    assert load_hardware("auto", "Some Other GPU") is None                 # the paper's rule, said at start-up
+    with pytest.raises(ValueError, match="GRANIKV_HARDWARE='nope'.*h200"):
+        load_hardware("nope", "NVIDIA H200")
+    (tmp_path / "t.yaml").write_text("name: t\ngpu_name: X\n")
+    with pytest.raises(ValueError, match="no decision_table"):
+        load_hardware(str(tmp_path / "t.yaml"), "X")
+
+
+def cfg(overrides):
+    from runners.run import resolve
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return resolve(to_run_config(compose("config", overrides=["sweep=headline", *overrides])))
+
+
+@pytest.mark.parametrize("system,attn,radix,hot", [("sglang_server_granikv", "granikv", "granikv", "0.2"),
+                                                   ("sglang_server_cascade", "granikv_cascade", None, None),
+                                                   ("sglang_server_hydragen", "hydragen", None, None)])
+def test_in_sglang_systems_start_the_plugin(tmp_path, monkeypatch, system, attn, radix, hot):
+    monkeypatch.setenv(srvmod.STATE_ENV, str(tmp_path))
+    monkeypatch.setenv(srvmod.PLUGIN_PATH_ENV, "/repo:/ep")
+    monkeypatch.setenv(srvmod.PYTHONPATH_ENV, "/site")
+    spec = srvmod.server_spec(cfg([f"system={system}"]))
+    a, env = spec.argv, dict(spec.env)
+    flag = {k: v for k, v in zip(a, a[1:])}
+    assert flag["--attention-backend"] == attn and flag["--cuda-graph-backend-decode"] == "breakable"
+    assert flag.get("--radix-cache-backend") == radix
+    assert env["SGLANG_PLUGINS"] == "granikv" and env["GRANIKV_HARDWARE"] == "h200"
+    assert env.get("GRANIKV_HOT_FRACTION") == (hot or "0.0")
+    assert env["PYTHONPATH"] == "/site:/repo:/ep"
+    assert Path(env["GRANIKV_STATS_FILE"]).parent == tmp_path / "plugin_stats"
+    # SGLang's own system: no plugin on the path, nothing of granikv in its environment
+    plain = dict(srvmod.server_spec(cfg(["system=sglang_server"])).env)
+    assert plain["PYTHONPATH"] == "/site" and not any(k.startswith(("GRANIKV_", "SGLANG_PLUGINS")) for k in plain)
+
+
+@pytest.mark.parametrize("override,field", [
+    (["system=sglang_server_granikv", "system.backend=paged"], "system.backend"),
+    (["system=sglang_server", "system.backend=granikv"], "system.backend"),
+    (["system=sglang_server", "system.hot_fraction=0.2"], "system.hot_fraction"),
+    (["system=sglang_server_cascade", "system.server.send_prefix_len=false"], "system.server.send_prefix_len"),
+    (["system=sglang_server", "system.server.radix_cache_backend=lru"], "system.server.radix_cache_backend"),
+    (["system=sglang_server", "system.server.extra_args=[--radix-cache-backend,granikv]"], "system.server.extra_args"),
+])
+def test_in_sglang_system_configs_that_cannot_work_name_the_field(override, field):
+    with pytest.raises(Exception, match=field.replace(".", r"\.")):
+        cfg(override)
+
+
+def test_the_client_names_the_shared_prefix_only_when_asked():
+    r = Request(rid=0, prompt_ids=list(range(40)), output_len=3, shared_len=32, prefix_class=0)
+    plain = ReplayClient("http://x").payload(r)["sampling_params"]
+    assert "custom_params" not in plain
+    named = ReplayClient("http://x", send_prefix_len=True).payload(r)["sampling_params"]
+    assert named["custom_params"] == {"granikv_prefix_len": 32}
+    none = ReplayClient("http://x", send_prefix_len=True).payload(Request(rid=1, prompt_ids=[1, 2], output_len=1))
+    assert "custom_params" not in none["sampling_params"]
