@@ -244,3 +244,34 @@ def test_the_client_names_the_shared_prefix_only_when_asked():
     assert named["custom_params"] == {"granikv_prefix_len": 32}
     none = ReplayClient("http://x", send_prefix_len=True).payload(Request(rid=1, prompt_ids=[1, 2], output_len=1))
     assert "custom_params" not in none["sampling_params"]
+
+
+def test_breakable_graph_hooks_hold_a_dataclass_output_field_by_field():
+    """SGLang's breakable decode graphs allocate, fill and slice a captured step's output; the hooks
+    do it for a LogitsProcessorOutput-shaped dataclass and leave everything else to SGLang."""
+    import dataclasses
+
+    from granikv.sglang_plugin import bcg_outputs as h
+
+    @dataclasses.dataclass
+    class Out:
+        next_token_logits: torch.Tensor
+        hidden_states: object = None
+        extra: object = None
+
+    def sglang(*a):                       # SGLang's own method: only reached for non-dataclass outputs
+        return ("sglang", a[1:])
+
+    out = Out(torch.arange(12.0).reshape(3, 4), None, [1])
+    buf = h.alloc_full_buffer(sglang, None, out, 8)
+    assert isinstance(buf, Out) and buf.next_token_logits.shape == (8, 4) and buf.extra == [1]
+    assert h.copy_output_to_buffer(sglang, None, out, buf, 3) is None
+    assert torch.equal(buf.next_token_logits[:3], out.next_token_logits)
+    cut = h.slice_output(sglang, None, buf, 2)
+    assert cut.next_token_logits.shape == (2, 4) and cut.next_token_logits.data_ptr() == buf.next_token_logits.data_ptr()
+    t = torch.zeros(2)
+    assert h.alloc_full_buffer(sglang, None, t, 4) == ("sglang", (t, 4))
+    assert h.slice_output(sglang, None, t, 1) == ("sglang", (t, 1))
+    with pytest.raises(ValueError, match="structure changed"):
+        h.copy_output_to_buffer(sglang, None, out, t, 1)
+    assert set(h.HOOKS) == {f"{h.TARGET}.{m}" for m in ("_alloc_full_buffer", "_copy_output_to_buffer", "_slice_output")}

@@ -52,7 +52,7 @@ print("OK")
     assert "adapter refused: sglang" in r.stdout
 
 
-@pytest.mark.parametrize("module", ["__init__", "settings", "hot_region", "slab_groups", "step_prefixes", "path_stats"])
+@pytest.mark.parametrize("module", ["__init__", "settings", "hot_region", "slab_groups", "step_prefixes", "path_stats", "bcg_outputs"])
 def test_only_the_adapter_imports_sglang(module):
     """Only the adapters (cache.py, attention.py) import SGLang at import time; load() imports them lazily."""
     tree = ast.parse((ROOT / "granikv" / "sglang_plugin" / f"{module}.py").read_text())

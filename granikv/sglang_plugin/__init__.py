@@ -54,7 +54,8 @@ kept with its request (not cached) until its prefill is done, then admitted whol
 Parts: :mod:`.settings` (these settings), :mod:`.hot_region` (the pure core: HOT region,
 admission, eviction), :mod:`.slab_groups` (a batch's requests grouped by slab),
 :mod:`.step_prefixes` (each request's prefix class and HOT start, off the radix tree),
-:mod:`.path_stats` (counters, decision table), :mod:`.cache` and :mod:`.attention` (the SGLang
+:mod:`.path_stats` (counters, decision table), :mod:`.bcg_outputs` (SGLang's breakable decode
+graphs taught to hold a step's logits output), :mod:`.cache` and :mod:`.attention` (the SGLang
 adapters; they import SGLang).
 """
 from __future__ import annotations
@@ -97,6 +98,7 @@ def load() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
 
+    from granikv.sglang_plugin import bcg_outputs
     from granikv.sglang_plugin.attention import make_backend_factory, stage_step_prefixes
 
     new = [n for n in ATTENTION_BACKENDS if n not in REGISTRY]
@@ -105,4 +107,6 @@ def load() -> None:
     add_attention_backend_choices([n for n in ATTENTION_BACKENDS if n not in ATTENTION_BACKEND_CHOICES])
     if new:
         HookRegistry.register(INIT_NEW_TARGET, stage_step_prefixes, HookType.AFTER)
+        for target, hook in bcg_outputs.HOOKS.items():   # breakable decode graphs of an LM's logits output
+            HookRegistry.register(target, hook, HookType.AROUND)
         logger.info("granikv: registered attention backends %s", ", ".join(new))
