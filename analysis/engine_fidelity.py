@@ -31,6 +31,7 @@ from analysis.plots import gpu_names, lp_axis, system_colors, title_of
 NAME = "engine_fidelity"
 FIGURES = ("engine_fidelity",)
 REAL, OURS, GRANIKV = "sglang_server", "sglang_default", "granikv"
+PLUGIN = "sglang_server_granikv"   # GraniKV inside real SGLang (granikv.sglang_plugin)
 MODEL = "llama3_8b"
 SELECT = {"tp": "=1", "workload.num_prefixes": "=1", "instrumented": "=False"}
 KEYS = ["workload.kind", "workload.arrival", "workload.prefix_len", "workload.batch"]
@@ -58,12 +59,13 @@ def fidelity_table(res: Results, model: str = MODEL) -> pd.DataFrame:
     cols = [*KEYS, "n_real", "n_ours", "n_granikv", "real_tok_s", "real_min", "real_max", "ours_tok_s",
             "ours/real", "within_10pct", "real_tpot_p50_ms", "ours_tpot_p50_ms", "tpot ours/real",
             "real_ttft_p50_ms", "ours_ttft_p50_ms", "ttft ours/real", "real_ttft_first5_ms", "ours_ttft_first5_ms",
-            "granikv_tok_s", "granikv/real", "status"]
+            "granikv_tok_s", "granikv/real", "n_plugin", "plugin_tok_s", "plugin/real", "plugin_dense_rows",
+            "plugin_plan_us", "plugin_dispatch_us", "status"]
     missing = [{**dict(zip(KEYS, k)), "n_real": 0, "status": NOT_MEASURED} for k in EXPECTED] if model == MODEL else []
     if cells.empty:
         return pd.DataFrame(missing, columns=cols)
     df = select(with_derived(cells), {**SELECT, "model.name": f"={model}"})
-    df = df[df["system"].isin((REAL, OURS, GRANIKV))]
+    df = df[df["system"].isin((REAL, OURS, GRANIKV, PLUGIN))]
     if df.empty or not (df["system"] == REAL).any():
         return pd.DataFrame(missing, columns=cols)
     df = df.assign(ttft_first5_ms=[first_ttft_ms(Path(res.root) / p) for p in df["path"]])
@@ -83,6 +85,8 @@ def fidelity_table(res: Results, model: str = MODEL) -> pd.DataFrame:
             return int(r["n"]) if r is not None else 0
 
         real, ours, gk = get(THROUGHPUT, REAL), get(THROUGHPUT, OURS), get(THROUGHPUT, GRANIKV)
+        pl = get(THROUGHPUT, PLUGIN)
+        pc = plugin_counters(res, df, key)
         ratio = ours / real
         rows.append({**dict(zip(KEYS, key)), "n_real": n(REAL), "n_ours": n(OURS), "n_granikv": n(GRANIKV),
                      "real_tok_s": real, "real_min": get(THROUGHPUT, REAL, "min"), "real_max": get(THROUGHPUT, REAL, "max"),
@@ -93,10 +97,31 @@ def fidelity_table(res: Results, model: str = MODEL) -> pd.DataFrame:
                      "real_ttft_p50_ms": get("ttft_p50_ms", REAL), "ours_ttft_p50_ms": get("ttft_p50_ms", OURS),
                      "ttft ours/real": get("ttft_p50_ms", OURS) / get("ttft_p50_ms", REAL),
                      "real_ttft_first5_ms": get("ttft_first5_ms", REAL), "ours_ttft_first5_ms": get("ttft_first5_ms", OURS),
-                     "granikv_tok_s": gk, "granikv/real": gk / real, "status": "measured"})
+                     "granikv_tok_s": gk, "granikv/real": gk / real, "n_plugin": n(PLUGIN), "plugin_tok_s": pl,
+                     "plugin/real": pl / real, **pc, "status": "measured"})
     seen = {tuple(r[k] for k in KEYS) for r in rows}
     rows += [m for m in missing if tuple(m[k] for k in KEYS) not in seen]
     return sort_rows(pd.DataFrame(rows, columns=cols), KEYS)
+
+
+def plugin_counters(res: Results, df: pd.DataFrame, key: tuple) -> dict:
+    """The plugin's own counters over its cells of ``key`` (metrics.json ``plugin``, the measured window):
+    the share of decode rows whose prefix went dense, and host microseconds per planned step (the whole
+    plan, and the dispatcher's choices alone). NaN where no plugin cell exists."""
+    rows = df[(df["system"] == PLUGIN)]
+    for k, v in zip(KEYS, key):
+        rows = rows[rows[k] == v]
+    dense, total, plan, disp, steps = 0, 0, 0.0, 0.0, 0
+    for p in rows["path"]:
+        m = json.loads((Path(res.root) / p / "metrics.json").read_text()).get("plugin") or {}
+        r = m.get("rows") or {}
+        dense += int(r.get("dense", 0))
+        total += sum(int(v) for v in r.values())
+        plan += float(m.get("plan_us", 0.0))
+        disp += float(m.get("dispatch_us", 0.0))
+        steps += int(m.get("split_steps", 0))
+    return {"plugin_dense_rows": dense / total if total else np.nan,
+            "plugin_plan_us": plan / steps if steps else np.nan, "plugin_dispatch_us": disp / steps if steps else np.nan}
 
 
 def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
@@ -105,12 +130,18 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     write_table(t, NAME, out, {"real_tok_s": 0, "real_min": 0, "real_max": 0, "ours_tok_s": 0, "granikv_tok_s": 0,
                                "ours/real": 3, "granikv/real": 2, "tpot ours/real": 3, "ttft ours/real": 3,
                                "real_tpot_p50_ms": 1, "ours_tpot_p50_ms": 1, "real_ttft_p50_ms": 0, "ours_ttft_p50_ms": 0,
-                               "real_ttft_first5_ms": 1, "ours_ttft_first5_ms": 1},
+                               "real_ttft_first5_ms": 1, "ours_ttft_first5_ms": 1,
+                               "plugin_tok_s": 0, "plugin/real": 2, "plugin_dense_rows": 2, "plugin_plan_us": 0,
+                               "plugin_dispatch_us": 1},
                 title="Engine fidelity: real SGLang (sglang_server) vs our engine's sglang_default, Llama-3.1-8B TP=1",
                 note="ours/real > 1: our baseline is faster than real SGLang. within_10pct: |ours/real - 1| <= 0.10 "
                      "(output throughput). granikv/real: GraniKV (engine) over real SGLang. Means over repetitions "
                      "(n per system); real SGLang's min/max span its repetitions. Real SGLang is timed at its streaming "
-                     "HTTP client, the engine in-process; both through granikv.metrics.")
+                     "HTTP client, the engine in-process; both through granikv.metrics. plugin: GraniKV inside real "
+                     "SGLang (sglang_server_granikv: the granikv attention and radix cache backends, breakable decode "
+                     "CUDA graphs), same client; plugin/real over real SGLang default; plugin_dense_rows: share of its "
+                     "decode rows whose prefix took the dense path; plugin_plan_us / plugin_dispatch_us: host time per "
+                     "planned decode step (whole plan / the dispatcher's choices), from the plugin's own counters.")
     if figures:
         draw(t, res, out)
     return t
@@ -132,6 +163,10 @@ def draw(t: pd.DataFrame, res: Results, out: Path) -> None:
                marker="o", color=col[REAL], label=f"real SGLang {'/'.join(versions) or '?'} (sglang_server)", capsize=3)
     a.plot(x, h["ours_tok_s"], marker="s", ls="--", color=col[OURS], label="our engine: sglang_default")
     a.plot(x, h["granikv_tok_s"], marker="^", color=col[GRANIKV], label="our engine: granikv")
+    hp = h[h["n_plugin"] > 0]
+    if not hp.empty:
+        a.plot(hp["workload.prefix_len"].astype(int), hp["plugin_tok_s"], marker="D", ls=":", color=col[GRANIKV],
+               label="granikv inside real SGLang (plugin)")
     a.set_ylabel("output tok/s")
     a.set_xlabel("shared prefix Lp (tokens)")
     lp_axis(a, x)
@@ -141,6 +176,9 @@ def draw(t: pd.DataFrame, res: Results, out: Path) -> None:
     b.axhline(1.0, color="0.5", lw=0.8)
     b.plot(x, h["ours/real"], marker="s", ls="--", color=col[OURS], label="sglang_default / real SGLang")
     b.plot(x, h["granikv/real"], marker="^", color=col[GRANIKV], label="granikv / real SGLang")
+    if not hp.empty:
+        b.plot(hp["workload.prefix_len"].astype(int), hp["plugin/real"], marker="D", ls=":", color=col[GRANIKV],
+               label="granikv in SGLang / real SGLang")
     b.set_ylabel("output throughput / real SGLang")
     b.set_xlabel("shared prefix Lp (tokens)")
     lp_axis(b, x)
@@ -150,7 +188,7 @@ def draw(t: pd.DataFrame, res: Results, out: Path) -> None:
                           ["Llama-3.1-8B TP=1"]), fontsize=10)
     fig.tight_layout()
     save_figure(fig, NAME, out, data=h[["workload.prefix_len", "real_tok_s", "real_min", "real_max", "ours_tok_s",
-                                        "granikv_tok_s", "ours/real", "granikv/real"]])
+                                        "granikv_tok_s", "plugin_tok_s", "ours/real", "granikv/real", "plugin/real"]])
 
 
 def provenance_line(res: Results) -> str:
