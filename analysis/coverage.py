@@ -31,7 +31,7 @@ import pandas as pd
 
 from analysis.clean import all_cells
 from analysis.common import write_table
-from analysis.load import ADDED_CONFIG_DEFAULTS, Results, load_results
+from analysis.load import ADDED_CONFIG_DEFAULTS, ADDED_SERVER_DEFAULTS, Results, load_results
 from runners.campaign import CampaignItem, PlannedCell, expand, load_campaign
 
 NAME = "coverage"
@@ -76,7 +76,7 @@ def settings_diff(row: pd.Series, cell: PlannedCell) -> dict[str, str]:
     out = {}
     for k, now in cell.settings.items():
         # a key no finished cell has yet was added after them: they ran its default
-        then = row[k] if k in row.index else ADDED_CONFIG_DEFAULTS.get(k)
+        then = row[k] if k in row.index else {**ADDED_CONFIG_DEFAULTS, **ADDED_SERVER_DEFAULTS}.get(k)
         if _norm(then) != _norm(now):
             out[k] = f"{_shown(then)} -> {_shown(now)}"
     return out

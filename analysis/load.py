@@ -197,7 +197,11 @@ def _load_cell(root: Path, cell: Path) -> tuple[str, dict, list[dict], list[str]
 # configuration group together instead of splitting on a missing value
 ADDED_CONFIG_DEFAULTS = {"system.cascade_impl": "multilevel", "hardware.allreduce": "nccl",
                          "hardware.allreduce_symm_max_mib": 8.0, "hardware.cuda_graph_max_graphs": 0,
-                         "hardware.cuda_graph_capture_at": 1, "system.engine": "granikv"}
+                         "hardware.cuda_graph_capture_at": 1, "system.engine": "granikv",
+                         "system.hot_split": "static", "system.hot_min_fraction": 0.0,
+                         "system.hot_max_fraction": 0.5, "system.cold_watermark": 0.05}
+# the same for keys of a server cell's system.server block (cells that have one: system.server.launcher set)
+ADDED_SERVER_DEFAULTS = {"system.server.radix_cache_backend": "", "system.server.send_prefix_len": False}
 
 
 def load_results(root: str | Path = "results/raw") -> Results:
@@ -228,6 +232,10 @@ def load_results(root: str | Path = "results/raw") -> Results:
         for key, value in ADDED_CONFIG_DEFAULTS.items():   # cells written before the key existed ran its default
             if key in cells.columns:
                 cells[key] = cells[key].astype(object).where(cells[key].notna(), value)
+        served = cells["system.server.launcher"].notna() if "system.server.launcher" in cells.columns else None
+        for key, value in ADDED_SERVER_DEFAULTS.items():
+            if key in cells.columns and served is not None:
+                cells[key] = cells[key].astype(object).where(cells[key].notna() | ~served, value)
     failures = pd.DataFrame(failed, columns=None if failed else ["sweep", "cell_id", "path", "state", "error"])
     if not failures.empty:
         failures = failures.sort_values(["sweep", "cell_id"], kind="stable").reset_index(drop=True)

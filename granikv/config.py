@@ -123,6 +123,12 @@ class SystemConfig:
     cascade_impl: str = "multilevel"
     engine: str = "granikv"           # granikv = our compact engine | sglang = a real SGLang server (system.server)
     server: Optional[ServerConfig] = None   # engine=sglang only
+    # HOT/COLD boundary: static = fixed at hot_fraction (the paper) | dynamic = moves online over free
+    # rows (granikv.kv.split_policy: grow on a HOT miss, shrink under COLD pressure), our engine only
+    hot_split: str = "static"
+    hot_min_fraction: float = 0.0     # dynamic: the smallest HOT region, a fraction of the KV budget
+    hot_max_fraction: float = 0.5     # dynamic: the largest HOT region
+    cold_watermark: float = 0.05      # dynamic: COLD free below this fraction makes HOT give back free rows
 
     def __post_init__(self):
         _need(self.engine in ENGINES, "system.engine", f"'{self.engine}' not in {ENGINES}")
@@ -142,6 +148,22 @@ class SystemConfig:
               f"'{self.cascade_impl}' applies to backend=cascade only (this system's backend is '{self.backend}')")
         _need(self.dispatch in DISPATCH, "system.dispatch", f"'{self.dispatch}' not in {DISPATCH}")
         _need(0.0 <= self.hot_fraction < 1.0, "system.hot_fraction", "must be in [0, 1)")
+        _need(self.hot_split in ("static", "dynamic"), "system.hot_split",
+              f"'{self.hot_split}' not in ('static', 'dynamic'); static = HOT fixed at hot_fraction")
+        for k in ("hot_min_fraction", "hot_max_fraction", "cold_watermark"):
+            v = getattr(self, k)
+            _need(isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v < 1.0, f"system.{k}",
+                  f"must be a number in [0, 1), got {v!r}")
+        if self.hot_split == "dynamic":
+            _need(self.engine == "granikv" and self.backend == "granikv", "system.hot_split",
+                  f"dynamic needs engine=granikv and backend=granikv (this system: engine={self.engine}, "
+                  f"backend={self.backend}); set hot_split=static")
+            _need(self.hot_min_fraction <= self.hot_fraction, "system.hot_min_fraction",
+                  f"{self.hot_min_fraction} is above hot_fraction={self.hot_fraction} (the split starts at "
+                  "hot_fraction); lower hot_min_fraction or raise hot_fraction")
+            _need(self.hot_fraction <= self.hot_max_fraction, "system.hot_max_fraction",
+                  f"{self.hot_max_fraction} is below hot_fraction={self.hot_fraction} (the split starts at "
+                  "hot_fraction); raise hot_max_fraction or lower hot_fraction")
         _need(self.tensor_core_decode in ("auto", "on", "off"), "system.tensor_core_decode", "auto | on | off")
 
 

@@ -33,7 +33,7 @@ from granikv.engine.model import CausalLM, TPGroup, generate_reference
 from granikv.engine.runner import ModelRunner
 from granikv.engine.scheduler import Scheduler, Seq, Storage, check_fits
 from granikv.engine.systems import build_backend, validate
-from granikv.kv import KVCache
+from granikv.kv import KVCache, SplitPolicy
 from granikv.request import Request, RequestRecord, RunResult  # noqa: F401 - RunResult: engine.RunResult
 from granikv.workloads import warmup_requests
 
@@ -152,10 +152,13 @@ class Engine:
         own = sum(t.numel() * t.element_size() for t in itertools.chain(self.model.parameters(), self.model.buffers()))
         budget = kv_budget_tokens(cfg, bytes_per_token, self.device, own_bytes=own)
         self._alloc_at_budget = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        self.kv = KVCache(m.num_layers, budget, hkv, m.head_dim, system.hot_fraction, self.dtype, self.device)
+        dynamic = system.hot_split == "dynamic"   # the HOT/COLD boundary moves (granikv.kv.dynamic_split)
+        self.kv = KVCache(m.num_layers, budget, hkv, m.head_dim, system.hot_fraction, self.dtype, self.device,
+                          cold_order="highest_first" if dynamic else "fifo")
         if self.kv.capacity_tokens - self.kv.hot_tokens < 2:
             raise ValueError(f"config error at `hardware.kv_budget_tokens`: {budget} tokens leave no COLD slots")
-        self.storage = Storage(self.kv, enable_hot=system.hot_fraction > 0)
+        policy = SplitPolicy.from_system(system, self.kv.capacity_tokens) if dynamic else None
+        self.storage = Storage(self.kv, enable_hot=system.hot_fraction > 0 or dynamic, split=policy)
         use_graphs = hw.device == "cuda" and hw.cuda_graph_max_bs > 0
         self.backend = build_backend(system, m, hw, cfg.tp, self.device, self.dtype, cuda_graph=use_graphs)
         from granikv.attention.prefill import PrefillAttention
@@ -344,6 +347,7 @@ class Engine:
             "num_steps": len(steps), "num_decode_steps": sum(s["kind"] == "decode" for s in steps),
             "tp": self.tp.size, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
             "fused_ops": self.fused_ops, "overlap_schedule": bool(self.cfg.hardware.overlap_schedule),
+            **(st.split.stats() if st.split is not None else {}),   # dynamic split only: boundary range, moves
         }
 
     # ------------------------------------------------------------------ oracle

@@ -12,6 +12,12 @@ and all but the last output token) are COLD slots reserved at admission, so a ru
 never needs more memory and nothing is ever preempted. A request whose cached prefix tokens
 are still being prefilled by another request waits until that KV is written (SGLang defers
 such in-batch prefix sharers the same way); it never reads unwritten KV.
+
+With a dynamic split (``Storage(split=SplitPolicy)``, ``system.hot_split=dynamic``) the HOT/COLD
+boundary moves (granikv.kv.dynamic_split): before COLD prefixes are evicted to make room for a
+request's own slots, free rows at HOT's end are given back to COLD when COLD would fall below its
+watermark (the admission-pressure signal); a HOT admission that finds no extent first tries to
+grow HOT into free COLD rows (inside :class:`granikv.kv.Admission`).
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from granikv.config import HardwareConfig
-from granikv.kv import Admission, ColdPool, HotPool, KVCache, Node, Placement, PrefixIndex
+from granikv.kv import Admission, DynamicSplit, KVCache, Node, Placement, PrefixIndex, SplitPolicy
 from granikv.request import Request
 
 
@@ -82,19 +88,27 @@ class PrefillChunk:
 
 
 class Storage:
-    """The KV pools, prefix index and admission over one :class:`KVCache`'s buffers (reset per run)."""
+    """The KV pools, prefix index and admission over one :class:`KVCache`'s buffers (reset per run).
 
-    def __init__(self, kv: KVCache, enable_hot: bool):
+    ``split``: the policy of a dynamic HOT/COLD split (None: the static split, the boundary fixed
+    at ``kv.initial_hot_tokens``); each reset builds a fresh :class:`DynamicSplit` from the
+    initial boundary. Build ``kv`` with ``cold_order="highest_first"`` for a dynamic split (its COLD
+    pool then hands out the rows farthest from the boundary first, so HOT can grow).
+    """
+
+    def __init__(self, kv: KVCache, enable_hot: bool, split: SplitPolicy | None = None):
         self.kv = kv
         self.enable_hot = enable_hot
+        self.policy = split
         self.reset()
 
     def reset(self) -> None:
         kv = self.kv
-        kv.hot_pool = HotPool(kv.hot_tokens, offset=0)
-        kv.cold_pool = ColdPool(kv.capacity_tokens - kv.hot_tokens, offset=kv.hot_tokens, device=kv.device)
+        kv.reset_pools()
         self.index = PrefixIndex(kv.hot_pool, kv.cold_pool)
-        self.admission = Admission(self.index, enable_hot=self.enable_hot and kv.hot_tokens > 0)
+        self.split = DynamicSplit(kv, self.policy) if self.policy is not None else None
+        hot_ok = kv.hot_tokens > 0 or (self.split is not None and self.policy.hot_max > 0)
+        self.admission = Admission(self.index, enable_hot=self.enable_hot and hot_ok, split=self.split)
         self.pad_slot = int(kv.cold_pool.alloc(1)[0])  # scratch slot for CUDA-graph padding rows
         self.peak_hot = self.peak_cold = 0
 
@@ -107,9 +121,26 @@ class Storage:
 
 
 def check_fits(req: Request, storage: Storage) -> None:
-    """Raise if ``req`` could never be admitted, even into an empty cache."""
+    """Raise if ``req`` could never be admitted, even into an empty cache.
+
+    With a dynamic split the boundary an idle engine is left at can be anywhere in the policy's
+    bounds (cached slabs may hold HOT at ``hot_max``), so the check takes the worst case: COLD at
+    its smallest (``capacity - hot_max``) and a prefix sure of HOT only up to ``hot_min``."""
     kv = storage.kv
     own = len(req.prompt_ids) - req.shared_len + req.output_len - 1
+    pol = storage.policy
+    if pol is not None:
+        cold = pol.min_cold - 1  # minus the pad slot
+        hot_ok = storage.admission.enable_hot and req.shared_len <= pol.hot_min
+        need_cold = own + (0 if hot_ok else req.shared_len)
+        if need_cold > cold:
+            raise ValueError(
+                f"config error at `system.hot_max_fraction`: request {req.rid} needs {need_cold} COLD KV slots "
+                f"(prompt {len(req.prompt_ids)}, shared {req.shared_len}, output {req.output_len}); with "
+                f"system.hot_split=dynamic the COLD region can shrink to {pol.min_cold} of {kv.capacity_tokens} "
+                f"tokens (HOT up to {pol.hot_max}), which cannot hold it; lower hot_max_fraction, raise the "
+                f"budget (hardware.kv_budget_tokens / mem_fraction) or shorten the workload")
+        return
     cold = storage.own_capacity()
     hot_ok = storage.admission.enable_hot and req.shared_len <= kv.hot_tokens
     need_cold = own + (0 if hot_ok else req.shared_len)
@@ -162,6 +193,8 @@ class Scheduler:
         unless cached below an evicted COLD prefix); False, with nothing evicted, if that is
         impossible now."""
         index, cold = self.storage.index, self.storage.kv.cold_pool
+        if self.storage.split is not None:
+            self.storage.split.relieve(n)  # free HOT tail rows first (COLD admission pressure)
         if cold.free_tokens < n:
             index.evict(n - cold.free_tokens, pool="cold")
         return cold.free_tokens >= n

@@ -12,7 +12,8 @@ differ in the policy's ``choose`` alone.
 These presets and ``conf/system/<name>.yaml`` (what ``runners.run`` composes) must agree field
 for field; ``tests/test_config.py`` checks it. Ablations are settings of the same parts, never new code paths: ``granikv`` with
 ``dispatch=dense_only|cascade_only|paged_only``, or with ``hot_fraction=0`` (no HOT: every
-prefix takes the paged fallback).
+prefix takes the paged fallback), or with ``hot_split=dynamic`` (``granikv_dynamic``: the HOT/COLD
+boundary starts at hot_fraction and moves online, granikv.kv.split_policy).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ ABLATIONS: dict[str, SystemConfig] = {
     "granikv_cascade_only": replace(SYSTEMS["granikv"], name="granikv_cascade_only", dispatch="cascade_only"),
     "granikv_paged_only": replace(SYSTEMS["granikv"], name="granikv_paged_only", dispatch="paged_only"),
     "granikv_no_hot": replace(SYSTEMS["granikv"], name="granikv_no_hot", hot_fraction=0.0),
+    "granikv_dynamic": replace(SYSTEMS["granikv"], name="granikv_dynamic", hot_split="dynamic"),
 }
 
 

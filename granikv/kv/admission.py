@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from granikv.kv.dynamic_split import DynamicSplit
 from granikv.kv.prefix_index import Node, PrefixIndex, PrefixMatch
 from granikv.kv.hot_pool import Slab
 
@@ -45,12 +46,18 @@ class Admission:
     (``evict(n, pool="cold")``) when COLD is short. If COLD cannot make room either, ``admit``
     returns None and nothing was evicted or allocated. ``log`` records each admission's
     placement, ``counts`` tallies them.
+
+    ``split`` (a :class:`DynamicSplit` over the index's pools; None = the static split): when no
+    free HOT extent fits, HOT first tries to grow into free COLD rows (``split.on_hot_miss``),
+    before any slab is evicted; a COLD fallback first lets the split give back free HOT rows
+    (``split.relieve``), before COLD prefixes are evicted.
     """
 
     index: PrefixIndex
     enable_hot: bool = True
     log: list[tuple[int, str, int]] = field(default_factory=list)  # (shared_len, where, slot_start)
     counts: Counter = field(default_factory=Counter)
+    split: DynamicSplit | None = None
 
     def admit(self, tokens: Sequence[int], shared_len: int, match: PrefixMatch | None = None) -> Placement | None:
         """Place ``tokens[:shared_len]``. ``match``: the caller's ``index.match`` of exactly that
@@ -86,15 +93,19 @@ class Admission:
         return self._record(Placement(where, shared_len, slots, m.length, node, slab, runs))
 
     def _alloc_hot(self, n: int) -> Slab | None:
-        if not self.enable_hot or self.index.hot_pool.capacity == 0:
+        if not self.enable_hot or (self.index.hot_pool.capacity == 0 and self.split is None):
             return None
         slab = self.index.hot_pool.alloc(n)
+        if slab is None and self.split is not None and self.split.on_hot_miss(n):  # grow into free COLD rows
+            slab = self.index.hot_pool.alloc(n)
         if slab is None and self.index.evict_hot_extent(n) > 0:  # stale unlocked slabs make way
             slab = self.index.hot_pool.alloc(n)
         return slab
 
     def _alloc_cold(self, n: int) -> torch.Tensor | None:
         pool = self.index.cold_pool
+        if self.split is not None:
+            self.split.relieve(n)  # free HOT tail rows before cached COLD prefixes
         if pool.free_tokens < n:
             self.index.evict(n - pool.free_tokens, pool="cold")  # all or nothing, COLD only
         return pool.alloc(n) if pool.free_tokens >= n else None

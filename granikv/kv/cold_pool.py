@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 CHECK_MODES = ("sync", "deferred", "off")
+ORDERS = ("fifo", "highest_first")  # the free list: a FIFO ring from ascending ids | kept sorted, highest first
 # the mode a pool gets when ``validate`` is None, by device type (anything not listed: "deferred");
 # tests may set DEFAULT_CHECKS["cuda"] = "sync" to have a CUDA engine raise at the faulty free itself
 DEFAULT_CHECKS = {"cpu": "sync", "cuda": "deferred"}
@@ -37,10 +38,19 @@ class ColdPool:
       completed (usually the next step's), or any ``check()``, raises ValueError naming the
       slots; the free list may then hold a slot twice, so every later call raises too.
     - "off": no check (SGLang's token pool does not check either).
+
+    ``order`` is how ids are handed out: "fifo" (ids ascending at first, then in the order they
+    were freed; the static split's pool) or "highest_first" (always the highest free ids: ``free``
+    merges what it gets back into the sorted free list, O(free list) device work, still no host
+    read). The second is for a pool below a HOT region whose end moves (:mod:`granikv.kv.
+    dynamic_split`): the rows next to that end are the last handed out, so they stay free for the
+    HOT region to grow into whenever COLD is not nearly full. A pool's low end moves with
+    :meth:`release_low` (its lowest rows, all free, go to the HOT region) and :meth:`extend_low`
+    (the rows just below come back).
     """
 
     def __init__(self, capacity: int, offset: int = 0, device: str | torch.device = "cpu",
-                 validate: bool | str | None = None):
+                 validate: bool | str | None = None, order: str = "fifo"):
         if not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"ColdPool capacity must be an int >= 0, got {capacity!r}")
         self.capacity = capacity
@@ -56,7 +66,13 @@ class ColdPool:
             raise ValueError(f"ColdPool validate must be a bool, None or one of {CHECK_MODES}, got {validate!r}")
         self.checks = mode
         self.validate = mode != "off"  # whether free() checks at all
+        if order not in ORDERS:
+            raise ValueError(f"ColdPool order must be one of {ORDERS}, got {order!r}")
+        self.order = order
+        # [capacity] free ids from _head on, _count of them (wrapping around); the rest is stale
         self._ring = torch.arange(offset, offset + capacity, dtype=torch.int64, device=self.device)
+        if order == "highest_first":
+            self._ring = self._ring.flip(0)
         self._head = 0  # index in _ring of the next id to hand out
         self._count = capacity  # free ids in the ring
         # allocation count of slot offset + i at [i + 1]; [0] and [capacity + 1] take ids outside the pool
@@ -121,6 +137,9 @@ class ColdPool:
                 if self._event is not None:
                     self._low_host.copy_(self._low, non_blocking=True)
                     self._event.record()
+        if self.order == "highest_first":  # the free list stays sorted, highest first
+            self._set_ring(_merge_descending(self._free_ids(), ids))
+            return
         cap = self.capacity
         tail = (self._head + self._count) % cap
         if tail + n <= cap:
@@ -140,6 +159,66 @@ class ColdPool:
     def owned_mask(self) -> torch.Tensor:
         """Bool ``[capacity]``: True where the slot is allocated (for checks, not hot paths)."""
         return self._cnt[1:self.capacity + 1] > 0
+
+    # ------------------------------------------------------------------ a moving low end (dynamic split)
+    def head_free(self, limit: int) -> int:
+        """How many of the lowest rows ``[offset, offset + limit)`` are free before the first
+        allocated one (at most ``limit``). One host read (a stream sync on CUDA)."""
+        limit = min(int(limit), self.capacity)
+        if limit <= 0:
+            return 0
+        owned = self._cnt[1:limit + 1] != 0                          # [limit]
+        return int(torch.where(owned.any(), owned.to(torch.int32).argmax(), limit))
+
+    def release_low(self, n: int) -> None:
+        """Hand the lowest ``n`` rows ``[offset, offset + n)`` out of this pool for good (to the HOT
+        region below it); they must all be free. Raises ValueError, changing nothing, otherwise.
+        O(capacity) tensor work and a host read: for the rare boundary move, not a hot path."""
+        if not isinstance(n, int) or not 0 < n <= self.capacity:
+            raise ValueError(f"ColdPool.release_low(n): n must be an int in [1, {self.capacity}], got {n!r}")
+        if self.checks == "deferred":
+            self._raise_if_flagged(block=True)
+        if self.head_free(n) < n:
+            raise ValueError(f"ColdPool.release_low({n}): rows [{self.offset}, {self.offset + n}) are not all free; "
+                             "the boundary moves only over free rows")
+        free = self._free_ids()
+        keep = free[free >= self.offset + n]                          # [free_tokens - n], hand-out order kept
+        if keep.numel() != self._count - n:
+            raise ValueError(f"ColdPool.release_low({n}): the free list does not hold rows [{self.offset}, "
+                             f"{self.offset + n}) exactly once (a bad free with checks off?)")
+        self._cnt = torch.cat((self._cnt[:1], self._cnt[n + 1:]))    # [capacity - n + 2], sentinels kept
+        self.offset += n
+        self.capacity -= n
+        self._set_ring(keep)
+
+    def extend_low(self, n: int) -> None:
+        """Take the ``n`` rows just below the pool, ``[offset - n, offset)``, as free rows (from the
+        HOT region below, which gave them up). They join the end of the free list: handed out after
+        every row free now, the row at the new low end last."""
+        if not isinstance(n, int) or not 0 < n <= self.offset:
+            raise ValueError(f"ColdPool.extend_low(n): n must be an int in [1, offset={self.offset}], got {n!r}")
+        if self.checks == "deferred":
+            self._raise_if_flagged(block=False)
+        new = torch.arange(self.offset - 1, self.offset - n - 1, -1, dtype=torch.int64, device=self.device)  # [n]
+        free = torch.cat((self._free_ids(), new))                     # [free_tokens + n]
+        zeros = torch.zeros(n, dtype=self._cnt.dtype, device=self.device)
+        self._cnt = torch.cat((self._cnt[:1], zeros, self._cnt[1:]))  # [capacity + n + 2]
+        self.offset -= n
+        self.capacity += n
+        self._set_ring(free)
+
+    def _free_ids(self) -> torch.Tensor:
+        """The free ids in hand-out order, ``[free_tokens]`` (a copy)."""
+        h, c, cap = self._head, self._count, self.capacity
+        if h + c <= cap:
+            return self._ring[h:h + c].clone()
+        return torch.cat((self._ring[h:], self._ring[:h + c - cap]))
+
+    def _set_ring(self, free: torch.Tensor) -> None:
+        """A ring of ``capacity`` entries holding ``free`` ``[k]`` from index 0."""
+        ring = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
+        ring[:free.numel()] = free
+        self._ring, self._head, self._count = ring, 0, free.numel()
 
     # ------------------------------------------------------------------ checks
     def _raise_if_flagged(self, block: bool) -> None:
@@ -171,3 +250,16 @@ class ColdPool:
         if not bool((self._cnt[idx] == 1).all()):
             return "ColdPool.free: an id is not allocated (double free or never allocated)"
         return "ColdPool.free: the same id appears twice in one free"
+
+
+def _merge_descending(free: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``free`` ``[f]`` (distinct, descending) and ``ids`` ``[n]`` (distinct, any order, none in
+    ``free``) as one descending ``[f + n]`` tensor: a sort of the ``n`` new ids and a merge by
+    binary search (O(f log n)), not a sort of the whole list; no host read."""
+    new = ids.sort(descending=True).values                        # [n]
+    a, b = free.neg(), new.neg()                                  # ascending views of both
+    out = torch.empty(free.numel() + new.numel(), dtype=torch.int64, device=free.device)
+    # each element's place in the merge: its own index + how many of the other list come before it
+    out[torch.arange(free.numel(), device=free.device) + torch.searchsorted(b, a)] = free
+    out[torch.arange(new.numel(), device=free.device) + torch.searchsorted(a, b)] = new
+    return out

@@ -95,6 +95,46 @@ class HotPool:
             self._starts.insert(i, start)
             self._lens.insert(i, n)
 
+    # ------------------------------------------------------------------ a moving end (dynamic split)
+    @property
+    def end(self) -> int:
+        """One past the last slot of the pool: ``offset + capacity``."""
+        return self.offset + self.capacity
+
+    @property
+    def tail_free(self) -> int:
+        """Length of the free extent that ends at :attr:`end` (0 when the last slot is in a slab)."""
+        if self._starts and self._starts[-1] + self._lens[-1] == self.end:
+            return self._lens[-1]
+        return 0
+
+    def grow(self, n: int) -> None:
+        """Append ``n`` free slots ``[end, end + n)`` at the end (they join the tail free extent).
+        Live slabs are untouched: the caller hands over rows nobody else uses (``DynamicSplit``)."""
+        if not isinstance(n, int) or n <= 0:
+            raise ValueError(f"HotPool.grow(n): n must be a positive int, got {n!r}")
+        if self.tail_free:
+            self._lens[-1] += n
+        else:
+            self._starts.append(self.end)
+            self._lens.append(n)
+        self.capacity += n
+
+    def shrink(self, n: int) -> None:
+        """Give back the last ``n`` slots; they must all be free (``n <= tail_free``), so no slab
+        moves or loses a slot. Raises ValueError, changing nothing, otherwise."""
+        if not isinstance(n, int) or n <= 0:
+            raise ValueError(f"HotPool.shrink(n): n must be a positive int, got {n!r}")
+        tail = self.tail_free
+        if n > tail:
+            raise ValueError(f"HotPool.shrink({n}): only the last {tail} slots of [{self.offset}, {self.end}) are "
+                             "free; a HOT region shrinks only over free rows at its end")
+        if n == tail:
+            del self._starts[-1], self._lens[-1]
+        else:
+            self._lens[-1] -= n
+        self.capacity -= n
+
     def free_extents(self) -> list[tuple[int, int]]:
         """Free extents as ``(start, length)``, sorted and coalesced."""
         return list(zip(self._starts, self._lens))
