@@ -275,3 +275,32 @@ def test_breakable_graph_hooks_hold_a_dataclass_output_field_by_field():
     with pytest.raises(ValueError, match="structure changed"):
         h.copy_output_to_buffer(sglang, None, out, t, 1)
     assert set(h.HOOKS) == {f"{h.TARGET}.{m}" for m in ("_alloc_full_buffer", "_copy_output_to_buffer", "_slice_output")}
+
+
+def test_the_memo_reads_a_request_once_and_again_when_its_path_changes():
+    """A request seen last step with the same last_node is taken from the memo; a new last_node (its
+    prompt re-cached), or a request not in the last step, is read; a HOT class keeps its id across a
+    radix split above its prefix end, since it is named by its slab."""
+    from granikv.sglang_plugin.step_prefixes import PrefixMemo
+
+    slab = Slab(start=1, length=512)
+    shared = chain(512, slab=slab, hot=1)
+    r1, r2 = req(Node(shared, 4), 516, 512), req(Node(shared, 6), 518, 512)
+    memo = PrefixMemo()
+    first = step_prefixes([r1, r2], PluginSettings(), memo=memo)
+    again = step_prefixes([r1, r2], PluginSettings(), memo=memo)
+    assert (memo.misses, memo.hits) == (2, 2) and again.prefix_ids == first.prefix_ids
+    r1.last_node = Node(shared, 9)                       # r1's path changed: read again
+    step_prefixes([r1, r2], PluginSettings(), memo=memo)
+    assert (memo.misses, memo.hits) == (3, 3)
+    assert list(memo.entries) == [id(r1), id(r2)]
+    # the radix tree splits the slab's node (upper part keeps the slab): a new request still joins the class
+    upper = Node(shared.parent, 200, slab)
+    shared.parent, shared.value = upper, list(range(312))
+    r3 = req(Node(shared, 3), 515, 512)
+    third = step_prefixes([r1, r2, r3], PluginSettings(), memo=memo)
+    assert len(set(third.prefix_ids)) == 1 and third.hot_starts == [1, 1, 1]
+    # a COLD (paged) class is named by its node: without a memo every request is read every step
+    cold = chain(256)
+    plain = step_prefixes([req(Node(cold, 2), 258, 256)] * 2, PluginSettings())
+    assert plain.prefix_ids[0] == plain.prefix_ids[1] >= 0 and plain.hot_starts == [-1, -1]

@@ -52,7 +52,7 @@ from granikv.attention.dispatch import Dispatcher
 from granikv.attention.policy import make_policy
 from granikv.sglang_plugin.path_stats import PathStats, StatsWriter, describe, load_hardware
 from granikv.sglang_plugin.settings import PluginSettings
-from granikv.sglang_plugin.step_prefixes import StepPrefixes, staged_for, step_prefixes
+from granikv.sglang_plugin.step_prefixes import PrefixMemo, StepPrefixes, staged_for, step_prefixes
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
         self.stats = PathStats(backend_name, policy_name)
         self._writer = StatsWriter(self.settings.stats_file)
         self._staged: Optional[StepPrefixes] = None
+        self.prefix_memo = PrefixMemo()    # last step's requests: an unchanged one is not read again
         self._step = None                  # the StepPlan this decode step runs, None: SGLang's paged path
         self._raw_bs = 0
         self._breakable = check_cuda_graph_backend(Phase.DECODE, Backend.BREAKABLE)
@@ -216,8 +217,8 @@ def stage_step_prefixes(result, *args, **kwargs):
         return None
     prefixes = None
     if batch.forward_mode.is_decode() and batch.reqs:
-        backends = list(_LIVE)
-        prefixes = step_prefixes(batch.reqs, backends[0].settings)
+        first = next(iter(_LIVE))
+        prefixes = step_prefixes(batch.reqs, first.settings, memo=first.prefix_memo)
     for b in list(_LIVE):
         b.stage(prefixes)
     return None

@@ -10,7 +10,11 @@ A request's cached path is the chain of nodes from the root's child down to ``re
 whose paths pass through the same node at depth ``n`` (the node that holds position ``n - 1``)
 have the same KV slots for positions ``0..n-1``: that node's id and ``n`` name the prefix class.
 The prefix is one contiguous HOT run when every node from the root's child down to that node lies
-in one slab (the slab then starts at position 0: its slots are ``slab.start + position``).
+in one slab (the slab then starts at position 0: its slots are ``slab.start + position``); such a
+class is named by its slab's start and ``n`` instead, which no later split of the radix tree changes.
+
+Per step, a request already seen with the same ``last_node`` is not read again (:class:`PrefixMemo`):
+while it runs its path is locked, so its slab can be neither evicted nor moved.
 """
 from __future__ import annotations
 
@@ -25,11 +29,15 @@ def _slab_of(node) -> Any:
     return getattr(node, SLAB_ATTR, None)
 
 
+HOT_TAG = 1 << 62   # prefix ids of HOT classes: HOT_TAG | slab start << 24 | n (n < 2**24)
+
+
 def request_prefix(last_node, n: int, slab_of: Callable[[Any], Any] = _slab_of) -> tuple[int, int]:
     """``(prefix_id, hot_start)`` of a request whose cached path ends at ``last_node`` and whose
     declared shared prefix is ``n`` tokens; ``(-1, -1)`` when it has none (``n`` 0, no path, or a
     path shorter than ``n``: the prefix is not cached). ``hot_start`` is -1 unless the prefix is
-    one HOT run (see the module docstring). ``prefix_id`` is ``(node id << 32) | n``."""
+    one HOT run (see the module docstring). ``prefix_id`` is ``HOT_TAG | start << 24 | n`` for a
+    HOT run, else ``(node id << 32) | n``."""
     if n <= 0 or last_node is None:
         return -1, -1
     path = []
@@ -44,7 +52,9 @@ def request_prefix(last_node, n: int, slab_of: Callable[[Any], Any] = _slab_of) 
         if depth >= n:
             slab = slab_of(path[-1])
             hot = slab is not None and slab.length >= n and all(slab_of(path[j]) is slab for j in range(i, len(path)))
-            return (int(nd.id) << 32) | int(n), (int(slab.start) if hot else -1)
+            if hot:
+                return HOT_TAG | (int(slab.start) << 24) | int(n), int(slab.start)
+            return (int(nd.id) << 32) | int(n), -1
     return -1, -1
 
 
@@ -71,21 +81,46 @@ class StepPrefixes:
         return any(p >= 0 for p in self.prefix_ids)
 
 
+class PrefixMemo:
+    """What :func:`step_prefixes` read last step, per request: ``id(req) -> (req, last_node, pid, n, hs)``.
+    Holds only the last step's requests (each step replaces it), so an id is never reused stale."""
+
+    def __init__(self):
+        self.entries: dict[int, tuple] = {}
+        self.hits = 0
+        self.misses = 0
+
+
 def step_prefixes(reqs: Iterable[Any], settings: PluginSettings,
-                  slab_of: Callable[[Any], Any] = _slab_of) -> StepPrefixes:
+                  slab_of: Callable[[Any], Any] = _slab_of, memo: Optional[PrefixMemo] = None) -> StepPrefixes:
     """The :class:`StepPrefixes` of a decode batch's requests (SGLang ``Req`` objects: their
-    ``sampling_params.custom_params``, ``origin_input_ids`` and ``last_node``), in batch order."""
+    ``sampling_params.custom_params``, ``origin_input_ids`` and ``last_node``), in batch order.
+    ``memo``: requests seen last step with the same ``last_node`` are taken from it."""
     import time
 
     t0 = time.perf_counter()
     out = StepPrefixes()
+    old = memo.entries if memo is not None else {}
+    new: dict[int, tuple] = {}
+    ids, lens, hots = out.prefix_ids, out.prefix_lens, out.hot_starts
     for req in reqs:
-        sp = getattr(req, "sampling_params", None)
-        n = shared_prefix_len(getattr(sp, "custom_params", None), len(req.origin_input_ids), settings)
-        pid, hs = request_prefix(getattr(req, "last_node", None), n, slab_of)
-        out.prefix_ids.append(pid)
-        out.prefix_lens.append(n if pid >= 0 else 0)
-        out.hot_starts.append(hs)
+        node = getattr(req, "last_node", None)
+        e = old.get(id(req))
+        if e is None or e[0] is not req or e[1] is not node:
+            sp = getattr(req, "sampling_params", None)
+            n = shared_prefix_len(getattr(sp, "custom_params", None), len(req.origin_input_ids), settings)
+            pid, hs = request_prefix(node, n, slab_of)
+            e = (req, node, pid, n if pid >= 0 else 0, hs)
+            if memo is not None:
+                memo.misses += 1
+        elif memo is not None:
+            memo.hits += 1
+        new[id(req)] = e
+        ids.append(e[2])
+        lens.append(e[3])
+        hots.append(e[4])
+    if memo is not None:
+        memo.entries = new
     out.host_us = (time.perf_counter() - t0) * 1e6
     return out
 
