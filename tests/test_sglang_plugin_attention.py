@@ -155,12 +155,14 @@ def test_path_stats_count_and_the_file_is_replaced_whole(tmp_path):
     st = PathStats("granikv", "granikv")
     st.paged("no_prefix")
     st.split([{"prefix_id": 5, "batch": 30, "backend": "dense"}, {"prefix_id": -1, "batch": 2, "backend": "paged"}],
-             prefix_us=10.0, dispatch_us=2.0, plan_us=50.0)
+             prefix_us=10.0, dispatch_us=2.0, plan_us=50.0, index_us=5.0, make_us=15.0, load_us=20.0)
     with pytest.raises(ValueError, match="unknown reason"):
         st.paged("bogus")
     d = st.to_dict()
     assert d["steps"] == 2 and d["split_steps"] == 1 and d["classes"]["dense"] == 1 and d["rows"]["dense"] == 30
     assert d["classes"]["paged"] == 0 and d["paged_steps"]["no_prefix"] == 1 and d["max_batch"] == 32
+    assert d["per_split_step_us"] == {"prefix": 10.0, "dispatch": 2.0, "plan": 50.0, "index": 5.0, "make": 15.0,
+                                      "load": 20.0}
     w = StatsWriter(str(tmp_path / "s" / "stats.json"), interval_s=3600)
     w.maybe_write(st)
     st.paged("no_split")

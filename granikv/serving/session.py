@@ -143,7 +143,8 @@ def stats_delta(before: Optional[dict], after: Optional[dict]) -> Optional[dict]
     out = sub(after, before)
     out["pid"] = after.get("pid")
     n = max(int(out.get("split_steps") or 0), 1)
-    out["per_split_step_us"] = {k: out.get(f"{k}_us", 0.0) / n for k in ("prefix", "dispatch", "plan")}
+    out["per_split_step_us"] = {k: out.get(f"{k}_us", 0.0) / n
+                                for k in ("prefix", "dispatch", "plan", "index", "make", "load")}
     out.pop("max_batch", None)
     out["max_batch_since_start"] = after.get("max_batch")
     return out

@@ -136,14 +136,18 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
                                                     None, indices, r2t.shape[1])
         batch = DecodeBatch(indptr_d, indices, staged.prefix_lens, staged.prefix_ids, staged.hot_starts,
                             kv_indptr_host=indptr_h)
+        t1 = time.perf_counter()
         step = self.decode.make_plan(batch)
+        t2 = time.perf_counter()
         if not step.split:
             self.stats.paged("no_split")
             return False
         self.decode.load(step, graph=False)
+        t3 = time.perf_counter()
         self._step, self._raw_bs = step, raw
         self.stats.split(self.decode.last_decisions, staged.host_us, step.choose_us,
-                         (time.perf_counter() - t0) * 1e6 + staged.host_us)
+                         (t3 - t0) * 1e6 + staged.host_us, index_us=(t1 - t0) * 1e6, make_us=(t2 - t1) * 1e6,
+                         load_us=(t3 - t2) * 1e6)
         self._writer.maybe_write(self.stats)
         return True
 

@@ -31,7 +31,9 @@ class PathStats:
     request rows by chosen path, over split steps. Host time (microseconds, summed over split
     steps): ``prefix_us`` reading the requests' prefixes off the radix tree, ``dispatch_us`` the
     policy's choices (the dispatcher), ``plan_us`` the whole plan (both of those, the KV index
-    build and FlashInfer's plan calls).
+    build and FlashInfer's plan calls); the plan's stages apart: ``index_us`` (the step's KV index
+    list and its copy to the device), ``make_us`` (the step plan: classes, policy, rest-of-request
+    slots) and ``load_us`` (FlashInfer's plan calls on the plan).
     """
 
     backend: str
@@ -44,6 +46,9 @@ class PathStats:
     prefix_us: float = 0.0
     dispatch_us: float = 0.0
     plan_us: float = 0.0
+    index_us: float = 0.0
+    make_us: float = 0.0
+    load_us: float = 0.0
     max_batch: int = 0
 
     def paged(self, reason: str) -> None:
@@ -52,7 +57,8 @@ class PathStats:
         self.steps += 1
         self.paged_steps[reason] += 1
 
-    def split(self, decisions: list[dict], prefix_us: float, dispatch_us: float, plan_us: float) -> None:
+    def split(self, decisions: list[dict], prefix_us: float, dispatch_us: float, plan_us: float,
+              index_us: float = 0.0, make_us: float = 0.0, load_us: float = 0.0) -> None:
         """One split step: ``decisions`` as ``StepPlan.decisions`` gives them (one dict per class)."""
         self.steps += 1
         self.split_steps += 1
@@ -65,12 +71,15 @@ class PathStats:
         self.prefix_us += prefix_us
         self.dispatch_us += dispatch_us
         self.plan_us += plan_us
+        self.index_us += index_us
+        self.make_us += make_us
+        self.load_us += load_us
 
     def to_dict(self) -> dict:
         d = asdict(self)
         n = max(self.split_steps, 1)
-        d["per_split_step_us"] = {"prefix": self.prefix_us / n, "dispatch": self.dispatch_us / n,
-                                  "plan": self.plan_us / n}
+        d["per_split_step_us"] = {k: getattr(self, f"{k}_us") / n
+                                  for k in ("prefix", "dispatch", "plan", "index", "make", "load")}
         return d
 
 
