@@ -8,14 +8,31 @@ each a dict with
     num_q_heads, num_kv_heads, head_dim    attention shape PER TP RANK (default: any)
     lp_min, lp_max        prefix length range [lp_min, lp_max)    (default 0, none)
     meff_min, meff_max    Meff = B_class * Hq/Hkv range [min, max) (default 0, none)
+    graph         true: the rule is for CUDA-graph-replayed decode steps only; false: for eager
+                  steps only (above ``hardware.cuda_graph_max_bs``, or any step that is not
+                  replayed); absent (or null): both kinds                (default: both)
+    cold          only with ``choice: dense``: the path of a class whose prefix is NOT one HOT run
+                  (admission fell back to COLD, so it cannot go dense): cascade | paged
+                  (default cascade, the paged-storage fallback the policy has always taken)
 
 The rules that match this dispatcher's GPU and shape are kept in table order; for a class the
-FIRST rule whose Lp and Meff ranges contain it wins (ties = table order). When no rule matches
-the GPU and shape at all, or none covers a (Lp, Meff), the paper's A100 rule is used
-(Meff >= 1024 -> dense, else cascade) with a warning, once per dispatcher and reason.
+FIRST rule whose step kind, Lp and Meff ranges contain it wins (ties = table order). When no rule
+matches the GPU and shape at all, or none covers a (Lp, Meff) for the step's kind, the paper's A100
+rule is used (Meff >= 1024 -> dense, else cascade) with a warning, once per dispatcher and reason.
+A table without any ``graph`` key decides both step kinds alike: exactly as before the key existed.
 
-Cost: choose() is a dict lookup after the first time a (Lp, B_class) pair is seen, choose_many()
-one pass of lookups for a step's classes; no device work at all (measured by
+The no-regression guard lives in the table, not in this module: ``runners.calibrate`` times every
+option in graph-replayed AND in eager steps (eager: device time + host launch time) and writes, per
+step kind, the option that was fastest with paged winning ties, so no rule it writes chooses an
+option that was measured slower than paged there; between a point where paged won and one where
+another option won, paged covers the gap; a dense rule's ``cold`` is the faster of cascade and
+paged (see ``runners.calibrate.fit``). The runtime only follows the table for the step's kind: no
+timings are consulted per step. Tables written before these keys hold neither, and decide as
+before: one rule set for both kinds, and cascade for a COLD prefix where the table says dense.
+
+Cost: choose() is a dict lookup after the first time a (Lp, B_class) pair is seen for a step kind
+(one decision cache per kind, and ONE shared cache when the table has no kind-specific rule),
+choose_many() one pass of lookups for a step's classes; no device work at all (measured by
 ``python -m runners.kernel_bench``, cell ``dispatch_cost``).
 """
 from __future__ import annotations
@@ -24,9 +41,12 @@ import warnings
 from typing import Any, Optional
 
 PATH_CHOICES = ("dense", "cascade", "paged")
+COLD_CHOICES = ("cascade", "paged")       # what a dense rule's class takes when its prefix is not in HOT
 MODES = ("table", "dense_only", "cascade_only", "paged_only")
-RULE_KEYS = ("choice", "gpu", "num_q_heads", "num_kv_heads", "head_dim", "lp_min", "lp_max", "meff_min", "meff_max")
+RULE_KEYS = ("choice", "gpu", "num_q_heads", "num_kv_heads", "head_dim", "lp_min", "lp_max", "meff_min", "meff_max",
+             "graph", "cold")
 PAPER_THRESHOLD = 1024
+GRAPH, EAGER = True, False                # the step kinds (``graph`` argument / rule key)
 
 
 def paper_rule(meff: int) -> str:
@@ -55,21 +75,41 @@ def check_table(table: Optional[list[dict[str, Any]]], where: str = "hardware.de
         for lo, hi in (("lp_min", "lp_max"), ("meff_min", "meff_max")):
             if r.get(hi) is not None and r.get(hi) <= r.get(lo, 0):
                 raise ValueError(f"{where}[{i}]: {hi}={r[hi]} must be > {lo}={r.get(lo, 0)} (ranges are [min, max))")
+        g = r.get("graph")
+        if g is not None and not isinstance(g, bool):
+            raise ValueError(f"{where}[{i}].graph: must be true (CUDA-graph-replayed steps), false (eager steps) "
+                             f"or absent (both), got {g!r}")
+        cold = r.get("cold")
+        if cold is not None:
+            if r["choice"] != "dense":
+                raise ValueError(f"{where}[{i}].cold: only a dense rule has a cold path (choice is '{r['choice']}')")
+            if cold not in COLD_CHOICES:
+                raise ValueError(f"{where}[{i}].cold: '{cold}' is not one of {COLD_CHOICES}")
         out.append(r)
     return out
 
 
 class _DecisionCache(dict):
-    """(prefix_len, batch_class) -> choice; a key not seen yet is decided by the dispatcher's table."""
+    """(prefix_len, batch_class) -> choice for one step kind (and HOT or COLD prefixes); a key not seen
+    yet is decided by the dispatcher's table. A plain dict for hits (no Python-level __getitem__)."""
 
-    def __init__(self, dispatcher: "Dispatcher"):
+    def __init__(self, dispatcher: "Dispatcher", graph: bool, cold: bool = False):
         super().__init__()
         self._dispatcher = dispatcher
+        self._graph = graph
+        self._cold = cold
 
     def __missing__(self, key: tuple[int, int]) -> str:
         d = self._dispatcher
         # a class with no requests (only CUDA-graph pad rows) has nothing to decide: paged
-        choice = self[key] = d._decide(key[0], key[1] * d.group) if key[1] > 0 else "paged"
+        if key[1] > 0:
+            # a COLD lookup follows the hot one of the same key (policy: only where that said dense):
+            # a fallback is counted and warned about once, by the hot lookup
+            choice, cold = d._decide(key[0], key[1] * d.group, self._graph, count=not self._cold)
+            choice = cold if self._cold else choice
+        else:
+            choice = "paged"
+        self[key] = choice
         return choice
 
 
@@ -86,9 +126,12 @@ def rule_applies(rule: dict, gpu_name: str, shape: tuple[int, int, int]) -> bool
 
 
 class Dispatcher:
-    """Chooses dense / cascade / paged per prefix class from (Lp, B_class) for one GPU and shape.
+    """Chooses dense / cascade / paged per prefix class from (Lp, B_class) and the step kind (CUDA-graph
+    replayed or eager) for one GPU and shape.
 
     ``mode``: table (default) | dense_only | cascade_only | paged_only (the ablations).
+    Callers that do not name a step kind get the graph kind (``graph=True``): with a table that has
+    no ``graph`` key, both kinds decide alike, so such callers see exactly the old decisions.
     """
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, gpu_name: str = "",
@@ -102,10 +145,19 @@ class Dispatcher:
         self.gpu_name = gpu_name or ""
         self.shape = (num_q_heads, num_kv_heads, head_dim)
         rules = check_table(table)
-        # (lp_min, lp_max, meff_min, meff_max, choice) of the rules for this GPU and shape, in order
-        self._rules = [(r.get("lp_min", 0), r.get("lp_max"), r.get("meff_min", 0), r.get("meff_max"), r["choice"])
+        # (lp_min, lp_max, meff_min, meff_max, choice, graph, cold path) of the rules for this GPU and
+        # shape, in order; graph None = both step kinds
+        self._rules = [(r.get("lp_min", 0), r.get("lp_max"), r.get("meff_min", 0), r.get("meff_max"), r["choice"],
+                        r.get("graph"), r.get("cold") or ("cascade" if r["choice"] == "dense" else r["choice"]))
                        for r in rules if self._matches(r)]
-        self._cache = _DecisionCache(self)      # (Lp, B_class) -> choice, filled on first sight
+        # one cache per step kind, filled on first sight: (Lp, B_class) -> choice. A table without
+        # kind-specific rules (or an ablation mode) decides both kinds alike: ONE shared cache.
+        self.kind_specific = mode == "table" and any(r[5] is not None for r in self._rules)
+        self._cache = _DecisionCache(self, GRAPH)
+        self._eager_cache = _DecisionCache(self, EAGER) if self.kind_specific else self._cache
+        # the path of a class whose prefix is not one HOT run, when its (hot) choice is dense
+        self._cold_cache = _DecisionCache(self, GRAPH, cold=True)
+        self._cold_eager_cache = _DecisionCache(self, EAGER, cold=True) if self.kind_specific else self._cold_cache
         self._warned: set[str] = set()
         self.fallbacks = 0
 
@@ -126,38 +178,58 @@ class Dispatcher:
 
     @property
     def decisions(self) -> dict:
-        """The decision cache, read-only by convention: ``decisions[(prefix_len, batch_class)]`` is
-        ``choose(prefix_len, batch_class)`` (a key not seen yet is decided on access)."""
+        """The graph-kind decision cache, read-only by convention: ``decisions[(prefix_len, batch_class)]``
+        is ``choose(prefix_len, batch_class)`` (a key not seen yet is decided on access)."""
         return self._cache
+
+    def decisions_for(self, graph: bool = GRAPH) -> dict:
+        """The decision cache of one step kind (``graph`` True: CUDA-graph replayed, False: eager); the
+        same object for both kinds when the table has no kind-specific rule."""
+        return self._cache if graph else self._eager_cache
+
+    def cold_decisions_for(self, graph: bool = GRAPH) -> dict:
+        """Like ``decisions_for``, for a class whose prefix is not one HOT run: where the table says dense,
+        the rule's ``cold`` path (default cascade); any other choice as is."""
+        return self._cold_cache if graph else self._cold_eager_cache
 
     @property
     def has_table(self) -> bool:
         """True when the table has rules for this GPU and shape."""
         return bool(self._rules)
 
-    def choose(self, prefix_len: int, batch_class: int) -> str:
-        """Path for a class of ``batch_class`` requests sharing a ``prefix_len``-token prefix
-        (``batch_class`` 0, a class of CUDA-graph pad rows only: paged)."""
-        return self._cache[(prefix_len, batch_class)]
+    def choose(self, prefix_len: int, batch_class: int, graph: bool = GRAPH) -> str:
+        """Path for a class of ``batch_class`` requests sharing a ``prefix_len``-token prefix in a step
+        of kind ``graph`` (True: CUDA-graph replayed, the default; False: eager) (``batch_class`` 0, a
+        class of CUDA-graph pad rows only: paged)."""
+        return (self._cache if graph else self._eager_cache)[(prefix_len, batch_class)]
 
-    def choose_many(self, classes: list[tuple[int, int]]) -> list[str]:
+    def choose_many(self, classes: list[tuple[int, int]], graph: bool = GRAPH) -> list[str]:
         """``choose`` for every (prefix_len, batch_class) of a step, in one pass over the cache
         (a C-level map over the cache; a miss is decided in ``_DecisionCache.__missing__``)."""
-        return list(map(self._cache.__getitem__, classes))
+        return list(map((self._cache if graph else self._eager_cache).__getitem__, classes))
 
-    def _decide(self, lp: int, meff: int) -> str:
+    def _decide(self, lp: int, meff: int, graph: bool = GRAPH, count: bool = True) -> tuple[str, str]:
+        """(choice, path when the prefix is not in HOT) of the first rule for this step kind covering
+        (lp, meff); the paper's rule (cold: cascade) when none does (``count``: count it in
+        ``fallbacks`` and warn)."""
         if self.mode != "table":
-            return self.mode[:-len("_only")]
-        for lp_lo, lp_hi, m_lo, m_hi, choice in self._rules:
-            if lp >= lp_lo and (lp_hi is None or lp < lp_hi) and meff >= m_lo and (m_hi is None or meff < m_hi):
-                return choice
+            c = self.mode[:-len("_only")]
+            return c, ("cascade" if c == "dense" else c)
+        for lp_lo, lp_hi, m_lo, m_hi, choice, kind, cold in self._rules:
+            if (kind is None or kind == graph) and lp >= lp_lo and (lp_hi is None or lp < lp_hi) \
+                    and meff >= m_lo and (m_hi is None or meff < m_hi):
+                return choice, cold
+        c = paper_rule(meff)
+        if not count:
+            return c, ("cascade" if c == "dense" else c)
         self.fallbacks += 1
         reason = "no_rules" if not self._rules else "uncovered"
         if reason not in self._warned:
             self._warned.add(reason)
+            kind = f" for {'graph' if graph else 'eager'} steps" if self.kind_specific else ""
             what = (f"no decision-table rules for GPU '{self.gpu_name or 'unknown'}' and shape "
                     f"Hq/Hkv/D={self.shape}" if reason == "no_rules" else
-                    f"decision table does not cover Lp={lp}, Meff={meff} (GPU '{self.gpu_name}', shape {self.shape})")
+                    f"decision table does not cover Lp={lp}, Meff={meff}{kind} (GPU '{self.gpu_name}', shape {self.shape})")
             warnings.warn(f"{what}: using the paper's A100 rule (Meff >= {PAPER_THRESHOLD} -> dense, else cascade); "
                           "run `python -m runners.calibrate` on this GPU to fit a table", RuntimeWarning, stacklevel=3)
-        return paper_rule(meff)
+        return c, ("cascade" if c == "dense" else c)

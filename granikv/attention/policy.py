@@ -12,6 +12,23 @@ The systems differ in ``choose`` alone, in one line each; how a path runs is
 granikv.attention.decode's business. Policies hold no tensors and do no device work: the
 engine and the SGLang plugin ask the same objects. ``choose`` writes each class's choice in place:
 its host time (lookups and writes) is the dispatch cost each step records (``dispatch_us``).
+
+Step kind: ``graph_step`` (True by default) says whether the step being planned will be replayed
+from a CUDA graph (True) or run eagerly (False: above ``hardware.cuda_graph_max_bs``, or any step
+that is not replayed). The caller sets it before each plan (granikv.engine.runner does, per step;
+a caller that never sets it plans every step as a graph step, as before). Only GranikvPolicy reads
+it: its dispatcher's table may hold separate rules per step kind, because a path's eager cost
+(device time plus the host time of its launches) differs from its replayed cost.
+
+No-regression guard (GranikvPolicy): the policy takes a class off the paged path only where the
+calibrated table's rule for this step kind says so, and the calibrator (``runners.calibrate.fit``)
+writes an option other than paged only at points where it was measured faster than paged in that
+step kind (paged covering the unmeasured gap next to any point where paged won).
+For a class whose prefix is not one HOT run the table's dense becomes the rule's ``cold`` path
+(the faster of cascade and paged as calibrated; cascade in a table without ``cold``, as before).
+When every class goes paged in a step without CUDA-graph pad rows (every eager step), the step plan
+is the paged baseline's (no split class: one rest decode over every request's whole slot list), so
+plan() does the baseline's work at that batch.
 """
 from __future__ import annotations
 
@@ -33,6 +50,7 @@ class PrefixPolicy:
     name = "base"
     splits = True
     batch_global = False
+    graph_step = True       # the kind of the step being planned (see the module doc): set by the caller
 
     def choose(self, classes: Sequence, batch_size: int) -> None:
         """Set ``c.choice`` (one of PATHS) of every ClassPlan ``c`` of this step's ``classes``."""
@@ -86,11 +104,14 @@ class HydragenPolicy(PrefixPolicy):
 
 
 class GranikvPolicy(PrefixPolicy):
-    """GraniKV: per class, what the dispatcher's table says for (Lp, real B_class).
+    """GraniKV: per class, what the dispatcher's table says for (Lp, real B_class) in this step's kind
+    (``graph_step``: CUDA-graph replayed or eager).
 
     A class whose prefix is not one HOT run (admission fell back to COLD) cannot go dense: its dense
-    choice becomes cascade (the paged fallback, served the cascade/paged way). Real rows only:
-    CUDA-graph pad rows never change a decision (a class of pad rows only is paged).
+    choice becomes the rule's cold path (cascade or paged; cascade when the table does not say: the
+    paged fallback, served the cascade/paged way). Real rows only: CUDA-graph pad rows never change a
+    decision (a class of pad rows only is paged). Per class one dict lookup (two for a dense class
+    whose prefix is COLD); nothing is decided twice for a (Lp, B_class, step kind).
     """
 
     name = "granikv"
@@ -101,10 +122,13 @@ class GranikvPolicy(PrefixPolicy):
         self.dispatcher = dispatcher
 
     def choose(self, classes, batch_size):
-        decide = self.dispatcher.decisions          # (Lp, n_real) -> path, decided on first sight
+        d = self.dispatcher
+        decide = d.decisions_for(self.graph_step)   # (Lp, n_real) -> path, decided on first sight
         for c in classes:
             path = decide[(c.prefix_len, c.n_real)]
-            c.choice = "cascade" if (path == "dense" and c.hot_start < 0) else path
+            if path == "dense" and c.hot_start < 0:
+                path = d.cold_decisions_for(self.graph_step)[(c.prefix_len, c.n_real)]
+            c.choice = path
 
 
 POLICIES: dict[str, type[PrefixPolicy]] = {"paged": PagedPolicy, "cascade": BatchCascadePolicy,

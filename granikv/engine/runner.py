@@ -21,6 +21,13 @@ Graph keying lives here: a step's CUDA graph is keyed by (padded size, the atten
 holding split-off prefix classes is captured at its ``capture_at``-th step and runs eagerly before
 (reason ``new_step_structure``): under eviction a multi-prefix batch changes structure almost every
 step, and capturing each once-seen structure costs far more than running it eagerly.
+
+Step kind: before planning a decode step the runner tells the attention's policy whether the step
+is a graph step (``policy.graph_step``; True when it is padded to a captured size and nothing rules a
+graph out) or an eager one (above ``cuda_graph_max_bs``, attention not graph-safe, unpadded runs), so
+granikv's dispatcher follows the table's rules for that kind. A graph-kind step that runs eagerly
+because its structure is not captured yet (``new_step_structure``) keeps the graph-kind decisions:
+its plan is the one that will be captured.
 """
 from __future__ import annotations
 
@@ -252,8 +259,11 @@ class ModelRunner:
             # device asynchronously; the previous step's copies must have run before they are overwritten
             self._plan_copied.synchronize()
         t_plan = time.perf_counter()
-        step = self.backend.make_plan(batch)
         graph = bool(self.pad and self.sizes) and reason is None
+        # the step kind the policy decides for (granikv's table may hold separate eager rules): eager
+        # when it can never replay (above the graph limit, attention not graph-safe, no graph sizes)
+        self.backend.policy.graph_step = graph
+        step = self.backend.make_plan(batch)
         if graph and self.capture_at > 1:
             graph = self._graph_ready(self._graph_key(bs, step), step)
             if not graph:

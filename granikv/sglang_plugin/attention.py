@@ -155,6 +155,7 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
         """Eager steps (no CUDA graph): our plan for a decode step with a split class, else SGLang's."""
         self._step = None
         mode = forward_batch.forward_mode
+        self.decode.policy.graph_step = False          # an eager step: the table's eager rules
         if mode.is_decode() and self._plan(forward_batch, forward_batch.batch_size):
             self.forward_metadata = DecodeMetadata(self.decode_wrappers)
             return
@@ -170,6 +171,7 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
         if decode and not in_capture and self._breakable:
             bs = forward_batch.batch_size
             raw = bs - int(getattr(forward_batch, "num_padding", 0) or 0)
+            self.decode.policy.graph_step = True       # a replayed step (its attention runs as an eager break)
             if self._plan(forward_batch, raw):
                 return
             super().init_forward_metadata_out_graph(forward_batch, in_capture)
