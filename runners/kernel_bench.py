@@ -41,7 +41,8 @@ import torch
 
 from granikv import rawio
 from granikv.attention import reference as R
-from granikv.attention.bench import Shape, attention_flops, build_cell, kv_bytes, measure_peaks, sync, time_fn
+from granikv.attention.bench import (Shape, attention_flops, build_cell, capture_graph, kv_bytes, measure_peaks, sync,
+                                    time_fn)
 from granikv.attention.decode import make_backend
 from granikv.attention.dispatch import Dispatcher, check_table
 
@@ -167,19 +168,6 @@ def make_variant(spec: BenchSpec, shape: Shape, variant: str, cuda_graph: bool):
     return make_backend(variant, shape.hq, shape.hkv, shape.d, dev, dt, cuda_graph=cuda_graph)
 
 
-def _graph_timer(fn, device, spec):
-    """Capture ``fn`` in a CUDA graph; returns (replay callable, output) or raises."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
-
-
 def bench_decode_cell(spec: BenchSpec, shape: Shape, lp: int, b: int, k: int, peaks: dict) -> tuple[list, dict]:
     dev = torch.device(spec.device)
     kc, vc, batch = build_cell(shape, lp, b, k, spec.suffix_len, spec.torch_dtype, dev, spec.seed)
@@ -205,7 +193,7 @@ def bench_decode_cell(spec: BenchSpec, shape: Shape, lp: int, b: int, k: int, pe
             try:
                 gbe = make_variant(spec, shape, variant, cuda_graph=True)
                 gbe.plan(batch)
-                g, gout = _graph_timer(lambda: gbe.run(q, kc, vc), dev, spec)
+                g, gout = capture_graph(lambda: gbe.run(q, kc, vc))
                 g.replay()
                 sync(dev)
                 gerr = float((gout.float() - ref).abs().max()) if ref is not None else None

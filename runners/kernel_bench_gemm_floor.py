@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from granikv import rawio
-from granikv.attention.bench import measure_peaks, sync, time_fn
+from granikv.attention.bench import capture_graph, measure_peaks, sync, time_fn
 from granikv.config import ModelConfig
 
 TOOL = "kernel_bench_gemm_floor"
@@ -231,19 +231,6 @@ class DecodeGemms:
         return run
 
 
-def _graph(fn: Callable[[], torch.Tensor]) -> torch.cuda.CUDAGraph:
-    """``fn`` captured as one CUDA graph (one warm-up run on a side stream first, as torch requires)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
 def _timed(spec: GemmFloorSpec, fn: Callable[[], torch.Tensor], eager: bool) -> dict:
     """time_fn of ``fn``: the replay of its CUDA graph on a GPU with cuda_graph on (eager time too when
     ``eager``), else eager. Keys: time_ms, time_ms_mean, time_ms_min, [time_ms_eager], graph, graph_error."""
@@ -256,7 +243,7 @@ def _timed(spec: GemmFloorSpec, fn: Callable[[], torch.Tensor], eager: bool) -> 
         out["time_ms_eager"] = t_eager["time_ms"]
     if spec.device == "cuda" and spec.cuda_graph:
         try:
-            g = _graph(fn)
+            g, _ = capture_graph(fn)
             g.replay()
             sync(dev)
             out.update({**time_fn(g.replay, dev, spec.warmup, spec.reps, spec.l2_flush), "graph": True})

@@ -36,6 +36,20 @@ class Shape:
                              f"hq={self.hq} hkv={self.hkv} d={self.d}")
 
 
+def capture_graph(fn: Callable[[], object]) -> tuple["torch.cuda.CUDAGraph", object]:
+    """``fn`` captured as one CUDA graph, after one warm-up run on a side stream (as torch requires);
+    returns (graph, the captured run's output: the buffers each replay rewrites)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
