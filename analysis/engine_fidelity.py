@@ -86,7 +86,7 @@ def fidelity_table(res: Results, model: str = MODEL) -> pd.DataFrame:
 
         real, ours, gk = get(THROUGHPUT, REAL), get(THROUGHPUT, OURS), get(THROUGHPUT, GRANIKV)
         pl = get(THROUGHPUT, PLUGIN)
-        pc = plugin_counters(res, df, key)
+        pc = plugin_counters(df, key)
         ratio = ours / real
         rows.append({**dict(zip(KEYS, key)), "n_real": n(REAL), "n_ours": n(OURS), "n_granikv": n(GRANIKV),
                      "real_tok_s": real, "real_min": get(THROUGHPUT, REAL, "min"), "real_max": get(THROUGHPUT, REAL, "max"),
@@ -104,24 +104,23 @@ def fidelity_table(res: Results, model: str = MODEL) -> pd.DataFrame:
     return sort_rows(pd.DataFrame(rows, columns=cols), KEYS)
 
 
-def plugin_counters(res: Results, df: pd.DataFrame, key: tuple) -> dict:
-    """The plugin's own counters over its cells of ``key`` (metrics.json ``plugin``, the measured window):
-    the share of decode rows whose prefix went dense, and host microseconds per planned step (the whole
-    plan, and the dispatcher's choices alone). NaN where no plugin cell exists."""
+def plugin_counters(df: pd.DataFrame, key: tuple) -> dict:
+    """The plugin's own counters over its cells of ``key`` (metrics.json ``plugin``, the measured window,
+    flattened by the loader as ``plugin.*``): the share of decode rows whose prefix went dense, and host
+    microseconds per planned step (the whole plan, and the dispatcher's choices alone). NaN where no
+    plugin cell exists."""
     rows = df[(df["system"] == PLUGIN)]
     for k, v in zip(KEYS, key):
         rows = rows[rows[k] == v]
-    dense, total, plan, disp, steps = 0, 0, 0.0, 0.0, 0
-    for p in rows["path"]:
-        m = json.loads((Path(res.root) / p / "metrics.json").read_text()).get("plugin") or {}
-        r = m.get("rows") or {}
-        dense += int(r.get("dense", 0))
-        total += sum(int(v) for v in r.values())
-        plan += float(m.get("plan_us", 0.0))
-        disp += float(m.get("dispatch_us", 0.0))
-        steps += int(m.get("split_steps", 0))
-    return {"plugin_dense_rows": dense / total if total else np.nan,
-            "plugin_plan_us": plan / steps if steps else np.nan, "plugin_dispatch_us": disp / steps if steps else np.nan}
+
+    def total(col: str) -> float:
+        return float(rows[col].fillna(0).sum()) if col in rows.columns else 0.0
+
+    by_path = sum(total(f"plugin.rows.{p}") for p in ("paged", "cascade", "dense", "hydragen"))
+    steps = total("plugin.split_steps")
+    return {"plugin_dense_rows": total("plugin.rows.dense") / by_path if by_path else np.nan,
+            "plugin_plan_us": total("plugin.plan_us") / steps if steps else np.nan,
+            "plugin_dispatch_us": total("plugin.dispatch_us") / steps if steps else np.nan}
 
 
 def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
