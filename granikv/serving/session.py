@@ -23,6 +23,7 @@ from granikv.request import Request, RunResult
 from granikv.serving.client import Replay, ReplayClient, ReplayError
 from granikv.serving.server import POOL, ServerError, ServerPool, server_spec
 from granikv.serving.sglang_log import parse_steps
+from granikv.sglang_plugin.path_stats import STAGES
 from granikv.workloads import warmup_requests
 
 # /server_info keys kept in provenance.engine.server_info (the rest is per-request internal state)
@@ -143,8 +144,7 @@ def stats_delta(before: Optional[dict], after: Optional[dict]) -> Optional[dict]
     out = sub(after, before)
     out["pid"] = after.get("pid")
     n = max(int(out.get("split_steps") or 0), 1)
-    out["per_split_step_us"] = {k: out.get(f"{k}_us", 0.0) / n
-                                for k in ("prefix", "dispatch", "plan", "index", "make", "load")}
+    out["per_split_step_us"] = {k: out.get(f"{k}_us", 0.0) / n for k in STAGES}
     out.pop("max_batch", None)
     out["max_batch_since_start"] = after.get("max_batch")
     return out

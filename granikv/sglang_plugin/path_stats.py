@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 CONF_HARDWARE = Path(__file__).resolve().parents[2] / "conf" / "hardware"
 
+# host-time fields (``<stage>_us``) averaged per split step in ``per_split_step_us``
+STAGES = ("prefix", "dispatch", "plan", "index", "make", "load")
 # why a decode step ran SGLang's own paged path instead of a plan of ours
 PAGED_REASONS = ("no_prefix", "no_split", "staged_mismatch", "no_cpu_seq_lens", "full_graph_replay", "capture")
 
@@ -78,8 +80,7 @@ class PathStats:
     def to_dict(self) -> dict:
         d = asdict(self)
         n = max(self.split_steps, 1)
-        d["per_split_step_us"] = {k: getattr(self, f"{k}_us") / n
-                                  for k in ("prefix", "dispatch", "plan", "index", "make", "load")}
+        d["per_split_step_us"] = {k: getattr(self, f"{k}_us") / n for k in STAGES}
         return d
 
 
