@@ -115,11 +115,21 @@ def load_hardware(spec: str, gpu_name: str, conf_dir: Path = CONF_HARDWARE) -> O
     """
     import yaml
 
-    def read(p: Path) -> dict:
+    def read(p: Path, seen: tuple = ()) -> dict:
+        """The preset's keys over those of the presets its Hydra ``defaults`` list names."""
         data = yaml.safe_load(p.read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"GRANIKV_HARDWARE: {p} is not a YAML mapping")
-        return data
+        merged: dict = {}
+        for base in data.pop("defaults", None) or []:
+            if isinstance(base, str) and base != "_self_":
+                q = p.parent / f"{base}.yaml"
+                if q in seen:
+                    raise ValueError(f"GRANIKV_HARDWARE: {p} `defaults` names {base!r}: a cycle")
+                if q.is_file():        # other entries are ConfigStore schemas (no decision table)
+                    merged.update(read(q, seen + (p,)))
+        merged.update(data)
+        return merged
 
     if spec == "auto":
         for p in sorted(conf_dir.glob("*.yaml")):
