@@ -190,6 +190,8 @@ def test_decision_table_source(tmp_path):
     auto = load_hardware("auto", "NVIDIA H200")
     assert auto is not None and auto.name == "h200" and auto.decision_table
     assert load_hardware("auto", "Some Other GPU") is None                 # the paper's rule, said at start-up
+    # a preset that only changes the KV budget takes its table through its Hydra defaults
+    assert load_hardware("a100_40gb", "NVIDIA H200").decision_table == auto.decision_table
     with pytest.raises(ValueError, match="GRANIKV_HARDWARE='nope'.*h200"):
         load_hardware("nope", "NVIDIA H200")
     (tmp_path / "t.yaml").write_text("name: t\ngpu_name: X\n")

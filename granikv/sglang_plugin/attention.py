@@ -107,6 +107,12 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
         _LIVE.add(self)
         atexit.register(self._writer.maybe_write, self.stats, True)
 
+    def _paged(self, reason: str) -> None:
+        """Count a decode step that runs SGLang's paged path (and write the counters, as a split
+        step does: a run whose every step stays paged must still show in the counter file)."""
+        self.stats.paged(reason)
+        self._writer.maybe_write(self.stats)
+
     # ---- the step's prefixes (staged by the ForwardBatch.init_new hook) -------------------------
     def stage(self, prefixes: Optional[StepPrefixes]) -> None:
         self._staged = prefixes
@@ -116,13 +122,13 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
         """Plan this decode step on our paths; False (and the reason counted) when it runs SGLang's."""
         staged = staged_for(self._staged, raw)
         if staged is None:
-            self.stats.paged("staged_mismatch" if self._staged is not None else "no_prefix")
+            self._paged("staged_mismatch" if self._staged is not None else "no_prefix")
             return False
         if not staged.any_prefix:
-            self.stats.paged("no_prefix")
+            self._paged("no_prefix")
             return False
         if fb.seq_lens_cpu is None:
-            self.stats.paged("no_cpu_seq_lens")
+            self._paged("no_cpu_seq_lens")
             return False
         t0 = time.perf_counter()
         dev = fb.seq_lens.device
@@ -140,7 +146,7 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
         step = self.decode.make_plan(batch)
         t2 = time.perf_counter()
         if not step.split:
-            self.stats.paged("no_split")
+            self._paged("no_split")
             return False
         self.decode.load(step, graph=False)
         t3 = time.perf_counter()
@@ -167,7 +173,7 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
         self._step = None
         decode = forward_batch.forward_mode.is_decode()
         if decode and not in_capture and not self._breakable:
-            self.stats.paged("full_graph_replay")
+            self._paged("full_graph_replay")
         if decode and not in_capture and self._breakable:
             bs = forward_batch.batch_size
             raw = bs - int(getattr(forward_batch, "num_padding", 0) or 0)

@@ -108,9 +108,10 @@ class StatsWriter:
 def load_hardware(spec: str, gpu_name: str, conf_dir: Path = CONF_HARDWARE) -> Optional[SimpleNamespace]:
     """The hardware preset the ``granikv`` backend takes its decision table from.
 
-    ``spec``: ``auto`` (the preset in ``conf_dir`` whose ``gpu_name`` equals ``gpu_name``; None when
-    no preset names this GPU: the dispatcher then uses the paper's A100 rule, and says so), a
-    preset name (``conf_dir/<name>.yaml``) or a path to a YAML file. Raises ValueError naming
+    ``spec``: ``auto`` (the preset in ``conf_dir`` whose own ``gpu_name`` equals ``gpu_name``; None
+    when no preset names this GPU: the dispatcher then uses the paper's A100 rule, and says so), a
+    preset name (``conf_dir/<name>.yaml``) or a path to a YAML file. A preset's keys override those
+    of the presets its Hydra ``defaults`` list names (``a100_40gb`` takes ``h200``'s table). Raises ValueError naming
     ``GRANIKV_HARDWARE`` for a file that does not exist or has no ``decision_table``.
     """
     import yaml
@@ -131,10 +132,11 @@ def load_hardware(spec: str, gpu_name: str, conf_dir: Path = CONF_HARDWARE) -> O
         merged.update(data)
         return merged
 
-    if spec == "auto":
+    if spec == "auto":       # the preset that names this GPU itself (not one that inherits it, e.g. a KV budget)
         for p in sorted(conf_dir.glob("*.yaml")):
-            data = read(p)
-            if data.get("gpu_name") and data.get("gpu_name") == gpu_name:
+            own = yaml.safe_load(p.read_text()) or {}
+            if isinstance(own, dict) and own.get("gpu_name") and own.get("gpu_name") == gpu_name:
+                data = read(p)
                 return SimpleNamespace(name=data.get("name", p.stem), gpu_name=gpu_name,
                                        decision_table=data.get("decision_table"), source=str(p))
         return None
