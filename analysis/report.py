@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis import engine_fidelity, headline_steps
+from analysis import engine_fidelity, headline_steps, in_sglang
 from analysis.headline_steps import claim_steps_line
 from analysis.amdahl import amdahl, amdahl_frame
 from analysis.bounds import bound_line, calibration_line, kernel_pair_line
@@ -484,6 +484,8 @@ def explain(res: Results, ev: pd.DataFrame, c: pd.Series, cache: dict) -> list[s
             why = sl
         elif "tables/limitation" in str(c["source"]) and (sl := claim_steps_line(res, c)):
             why = sl
+        elif "tables/in_sglang" in str(c["source"]) and (il := in_sglang.claim_line(res, c)):
+            why = il
         elif "tables/headline" in str(c["source"]):
             why = steps_line(res, c, cache)
         elif "tables/kernel" in str(c["source"]) or "tables/amdahl" in str(c["source"]):
@@ -497,6 +499,7 @@ def explain(res: Results, ev: pd.DataFrame, c: pd.Series, cache: dict) -> list[s
     src = str(c["source"])
     why = " ".join(x for x in (shares_line(res, c, cache), prefill_host_line(res, c, cache)) if x) \
         if "tables/headline" in src else roofline_line(res, c, cache) if "tables/kernel" in src else \
+        in_sglang.claim_line(res, c) if "tables/in_sglang" in src else \
         storage_line(res, c) if "tables/multiprefix" in src else \
         claim_steps_line(res, c) if "tables/limitation" in src else ""
     side = off["side"].iloc[0]

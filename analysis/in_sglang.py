@@ -1,0 +1,213 @@
+"""The paper's four systems inside real SGLang, beside the same four in our engine.
+
+In SGLang: ``sglang_server`` (SGLang default, stock), and three systems served by the granikv plugin's
+attention backends (``granikv.sglang_plugin``, breakable decode CUDA graphs): ``sglang_server_cascade``
+(SGLang-Cascade), ``sglang_server_hydragen`` (HydraGen) and ``sglang_server_granikv`` (GraniKV, with
+its radix cache backend). In the engine: ``sglang_default``, ``sglang_cascade``, ``hydragen``,
+``granikv``. Same request sets, same replay client.
+
+Rows: per cell set and system (the paper's name), Llama-3.1-8B TP=1, B=256:
+- ``headline``: ShareGPT with one shared prefix, Lp 512 / 2K / 8K / 16K (every other Lp with an
+  in-SGLang plugin cell too), the H200's KV budget;
+- ``hetero k=4``: heterogeneous multi-prefix (2K, 4K, 8K, 16K), burst, the A100-40GB KV budget.
+
+Columns: ``n`` and output tok/s (repetition mean) in SGLang and in the engine, each over its own
+SGLang default (``sglang_x``: over real SGLang; ``engine_x``: over the engine's sglang_default), ITL
+and TTFT p50 in SGLang, and the plugin's own counters over the measured window: the share of decode
+rows by path, and the host time per planned decode step, whole (``plan_us``: prefix read + KV index
+list + step plan + FlashInfer's plan calls) and by stage. A counter the cell did not record (an
+older cell without the stage split, or a run whose counter file was never rewritten) is NaN.
+
+Writes tables/in_sglang.{csv,md} and figures/in_sglang.{png,pdf,csv}.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis.common import (NOT_MEASURED, THROUGHPUT, aggregate, placeholder_figure, plt, save_figure, select,
+                             sort_rows, with_derived, write_table)
+from analysis.load import Results
+from analysis.plots import gpu_names, lp_axis, mark_paper, paper_claims, system_colors, title_of
+
+NAME = "in_sglang"
+FIGURES = (NAME,)
+# paper name -> (system inside real SGLang, system in our engine)
+SYSTEMS = {"sglang_default": ("sglang_server", "sglang_default"),
+           "sglang_cascade": ("sglang_server_cascade", "sglang_cascade"),
+           "hydragen": ("sglang_server_hydragen", "hydragen"),
+           "granikv": ("sglang_server_granikv", "granikv")}
+BASE = "sglang_default"
+COMMON = {"model.name": "=llama3_8b", "tp": "=1", "workload.batch": "=256", "instrumented": "=False"}
+SETS = {"headline": {"workload.kind": "=sharegpt", "workload.num_prefixes": "=1", "hardware.name": "=h200"},
+        "hetero k=4": {"workload.kind": "=multiprefix", "workload.prefix_lens": "=notnull",
+                       "workload.num_prefixes": "=4", "hardware.name": "=a100_40gb"}}
+HEADLINE_LPS = (512, 2048, 8192, 16384)      # the Lp every in-SGLang system is planned at
+PATHS = ("dense", "cascade", "hydragen", "paged")
+STAGES = ("prefix", "index", "make", "load", "dispatch")
+COLS = ["set", "workload.prefix_len", "system", "n_sglang", "sglang_tok_s", "sglang_x", "n_engine", "engine_tok_s",
+        "engine_x", "sglang_itl_p50_ms", "sglang_ttft_p50_ms", *[f"rows_{p}" for p in PATHS], "plan_us",
+        *[f"{s}_us" for s in STAGES], "status"]
+
+
+def _mean(df: pd.DataFrame, system: str, metric: str) -> tuple[float, int]:
+    a = aggregate(df[df["system"] == system], ["system"], metric)
+    return (float(a["mean"].iloc[0]), int(a["n"].iloc[0])) if len(a) else (np.nan, 0)
+
+
+def plugin_counters(cells: pd.DataFrame) -> dict:
+    """The plugin's counters summed over ``cells`` (one system and point): row shares by path and host
+    microseconds per split step (NaN where not recorded; see the module docstring)."""
+    out = {**{f"rows_{p}": np.nan for p in PATHS}, "plan_us": np.nan, **{f"{s}_us": np.nan for s in STAGES}}
+    if cells.empty or "plugin.steps" not in cells.columns:
+        return out
+    rec = cells[cells["plugin.steps"].fillna(0) > 0]      # a window with no step counted recorded nothing
+    if rec.empty:
+        return out
+    rows = {p: rec.get(f"plugin.rows.{p}", pd.Series(0.0, index=rec.index)).fillna(0).sum() for p in PATHS}
+    total = sum(rows.values())
+    steps = rec["plugin.split_steps"].fillna(0).sum()
+    if total:
+        out.update({f"rows_{p}": rows[p] / total for p in PATHS})
+    if steps:
+        for col, key in [("plan_us", "plugin.plan_us")] + [(f"{s}_us", f"plugin.{s}_us") for s in STAGES]:
+            if key in rec.columns and rec[key].notna().all():
+                out[col] = float(rec[key].sum()) / steps
+    return out
+
+
+def in_sglang_table(res: Results) -> pd.DataFrame:
+    """One row per (cell set, Lp, paper system); ``not measured`` rows for planned points without a cell."""
+    cells = with_derived(res.cells) if not res.cells.empty else res.cells
+    rows = []
+    for name, sel in SETS.items():
+        df = select(cells, {**COMMON, **sel}) if not cells.empty else cells
+        plugin = {s for s, _ in SYSTEMS.values()} - {SYSTEMS[BASE][0]}
+        lps = set(HEADLINE_LPS) if name == "headline" else set()
+        if not df.empty:
+            lps |= {int(v) for v in df[df["system"].isin(plugin)]["workload.prefix_len"].dropna()}
+        if not lps:
+            rows += [{"set": name, "system": p, "n_sglang": 0, "status": NOT_MEASURED} for p in SYSTEMS]
+            continue
+        for lp in sorted(lps):
+            at = df[df["workload.prefix_len"] == lp] if not df.empty else df
+            real = _mean(at, SYSTEMS[BASE][0], THROUGHPUT)[0] if not at.empty else np.nan
+            eng_base = _mean(at, SYSTEMS[BASE][1], THROUGHPUT)[0] if not at.empty else np.nan
+            for paper, (in_sgl, eng) in SYSTEMS.items():
+                s_tok, n_s = _mean(at, in_sgl, THROUGHPUT) if not at.empty else (np.nan, 0)
+                e_tok, n_e = _mean(at, eng, THROUGHPUT) if not at.empty else (np.nan, 0)
+                mine = at[at["system"] == in_sgl] if not at.empty else at
+                rows.append({"set": name, "workload.prefix_len": lp, "system": paper, "n_sglang": n_s,
+                             "sglang_tok_s": s_tok, "sglang_x": s_tok / real, "n_engine": n_e, "engine_tok_s": e_tok,
+                             "engine_x": e_tok / eng_base,
+                             "sglang_itl_p50_ms": _mean(mine, in_sgl, "itl_p50_ms")[0] if n_s else np.nan,
+                             "sglang_ttft_p50_ms": _mean(mine, in_sgl, "ttft_p50_ms")[0] if n_s else np.nan,
+                             **plugin_counters(mine), "status": "measured" if n_s else NOT_MEASURED})
+    return sort_rows(pd.DataFrame(rows, columns=COLS), ["set", "workload.prefix_len", "system"])
+
+
+def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
+    """Write this module's table (and, unless ``figures`` is False, its figure); return the table."""
+    t = in_sglang_table(res)
+    write_table(t, NAME, out, {"sglang_tok_s": 0, "engine_tok_s": 0, "sglang_x": 2, "engine_x": 2,
+                               "sglang_itl_p50_ms": 1, "sglang_ttft_p50_ms": 0, **{f"rows_{p}": 2 for p in PATHS},
+                               "plan_us": 0, **{f"{s}_us": 0 for s in STAGES}},
+                title="The four systems inside real SGLang (granikv plugin) and in our engine, Llama-3.1-8B TP=1, B=256",
+                note="sglang_x: output throughput over real SGLang default (sglang_server) on the same requests; "
+                     "engine_x: the engine's system over the engine's sglang_default. rows_*: share of the plugin's "
+                     "decode rows by path; plan_us: host time per planned decode step (prefix read + KV index list + "
+                     "step plan + FlashInfer's plan calls), then by stage (make includes the dispatcher, dispatch); "
+                     "NaN: not recorded. headline: ShareGPT, one shared prefix, H200 KV budget; hetero k=4: prefixes "
+                     "2K/4K/8K/16K, burst, A100-40GB KV budget (Lp column: the workload's nominal Lp).")
+    if figures:
+        draw(t, res, out)
+    return t
+
+
+def draw(t: pd.DataFrame, res: Results, out: Path) -> None:
+    m = t[t["status"] == "measured"]
+    h = m[m["set"] == "headline"]
+    if h.empty:
+        placeholder_figure(NAME, out, "no in-SGLang plugin cells on the headline workload")
+        return
+    col = system_colors(SYSTEMS)
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4), gridspec_kw={"width_ratios": [1.1, 1.1, 0.8]})
+    for paper in SYSTEMS:
+        g = h[h["system"] == paper].sort_values("workload.prefix_len")
+        x = g["workload.prefix_len"].astype(int)
+        a.plot(x, g["sglang_tok_s"], marker="o", color=col[paper], label=f"{paper} in SGLang")
+        a.plot(x, g["engine_tok_s"], marker="s", ls="--", color=col[paper], alpha=0.6, label=f"{paper} (engine)")
+        if paper != BASE:
+            b.plot(x, g["sglang_x"], marker="o", color=col[paper], label=f"{paper} in SGLang")
+            b.plot(x, g["engine_x"], marker="s", ls="--", color=col[paper], alpha=0.6, label=f"{paper} (engine)")
+    claim = paper_claims(["headline_llama8b_in_sglang"])
+    if len(claim) and np.isfinite(claim["value"].iloc[0]):
+        mark_paper(b, 16384, float(claim["value"].iloc[0]))
+    b.axhline(1.0, color="0.5", lw=0.8)
+    for ax, yl in ((a, "output tok/s"), (b, "output throughput / own SGLang default")):
+        ax.set_xlabel("shared prefix Lp (tokens)")
+        ax.set_ylabel(yl)
+        lp_axis(ax, h["workload.prefix_len"].astype(int))
+        ax.legend(fontsize=7)
+    a.set_title("headline, ShareGPT, B=256 (solid: in SGLang; dashed: engine)", fontsize=9)
+    b.set_title("ratio to SGLang default (real SGLang / the engine's)", fontsize=9)
+    k = m[(m["set"] == "hetero k=4") & (m["system"] != BASE)]
+    if k.empty:
+        c.axis("off")
+        c.text(0.5, 0.5, f"hetero k=4: {NOT_MEASURED}", ha="center", va="center")
+    else:
+        xs = np.arange(len(k))
+        c.bar(xs - 0.2, k["sglang_x"], 0.4, color=[col[s] for s in k["system"]], label="in SGLang")
+        c.bar(xs + 0.2, k["engine_x"], 0.4, color=[col[s] for s in k["system"]], alpha=0.45, hatch="//",
+              label="engine")
+        c.set_xticks(xs, k["system"], fontsize=8)
+        c.axhline(1.0, color="0.5", lw=0.8)
+        c.set_ylabel("output throughput / own SGLang default")
+        c.legend(fontsize=7)
+        c.set_title("heterogeneous k=4, A100-40GB KV budget", fontsize=9)
+    cells = select(with_derived(res.cells), {"system": "~sglang_server"}) if not res.cells.empty else res.cells
+    fig.suptitle(title_of("The four systems inside real SGLang and in the engine", gpu_names(cells),
+                          ["Llama-3.1-8B TP=1"]), fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, NAME, out, data=m[["set", "workload.prefix_len", "system", "sglang_tok_s", "sglang_x",
+                                        "engine_tok_s", "engine_x"]])
+
+
+def prefilled_tokens(res: Results, path: str) -> float:
+    """Prompt tokens a server cell prefilled (its log's prefill batches, ``#new-token``), NaN without them."""
+    from analysis.load import load_steps
+    s = load_steps(Path(res.root) / path)
+    if s.empty or "kind" not in s.columns or "new_token" not in s.columns:
+        return np.nan
+    return float(pd.to_numeric(s.loc[s["kind"] == "prefill", "new_token"], errors="coerce").sum())
+
+
+def claim_line(res: Results, claim: pd.Series) -> str:
+    """Why an in-SGLang claim lands where it does, from its own cells: the claim's system against its
+    baseline system at the claim's point (ITL and TTFT p50, prompt tokens prefilled), and the plugin's
+    counters (dense-row share, host plan per planned step). Empty where a side has no cell."""
+    from analysis.common import parse_selectors
+    sel, base = parse_selectors(claim["selectors"]), parse_selectors(claim["baseline"])
+    cells = with_derived(res.cells) if not res.cells.empty else res.cells
+    mine = select(cells, {**sel, "instrumented": "=False"}) if not cells.empty else cells
+    theirs = select(cells, {**sel, **base, "instrumented": "=False"}) if not cells.empty else cells
+    if mine.empty or theirs.empty:
+        return ""
+    a, b = mine["system"].iloc[0], theirs["system"].iloc[0]
+
+    def avg(df, col):
+        return float(pd.to_numeric(df[col], errors="coerce").mean()) if col in df.columns else np.nan
+
+    pre_a, pre_b = ([prefilled_tokens(res, p) for p in df["path"]] if "path" in df.columns else [np.nan]
+                    for df in (mine, theirs))
+    pre_a, pre_b = (float(np.mean(v)) for v in (pre_a, pre_b))
+    pc = plugin_counters(mine)
+    line = (f"Inside SGLang, {a} against {b}: ITL p50 {avg(mine, 'itl_p50_ms'):.1f} vs {avg(theirs, 'itl_p50_ms'):.1f} ms, "
+            f"TTFT p50 {avg(mine, 'ttft_p50_ms'):.0f} vs {avg(theirs, 'ttft_p50_ms'):.0f} ms, prompt tokens prefilled "
+            f"{pre_a:.0f} vs {pre_b:.0f} (the servers' prefill batches)").replace("prefilled nan vs nan", "prefilled: not logged")
+    if np.isfinite(pc["plan_us"]):
+        shares = ", ".join(f"{pc[f'rows_{p}']:.1%} {p}" for p in PATHS if pc[f"rows_{p}"] > 0)
+        line += f"; the plugin's decode rows: {shares}, host plan {pc['plan_us']:.0f} us per planned step"
+    return line + " (tables/in_sglang)."

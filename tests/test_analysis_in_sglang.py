@@ -1,0 +1,75 @@
+"""analysis.in_sglang on a cells frame shaped as the loader writes it: each in-SGLang system over real
+SGLang default and each engine system over the engine's default at the same point, the plugin's
+counters as shares and per-step host time, a window with no counted step as not recorded, and
+planned points without a cell as not measured rows."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis import in_sglang
+from analysis.load import Results
+
+BASE = {"model.name": "llama3_8b", "tp": 1, "workload.batch": 256, "profile_steps": 0, "nsys": False}
+HEAD = {**BASE, "workload.kind": "sharegpt", "workload.num_prefixes": 1, "hardware.name": "h200",
+        "workload.prefix_lens": None}
+HET = {**BASE, "workload.kind": "multiprefix", "workload.num_prefixes": 4, "hardware.name": "a100_40gb",
+       "workload.prefix_lens": "[2048, 4096, 8192, 16384]"}
+
+
+def cell(where, system, lp, tok, rep=0, **plugin):
+    return {**where, "system.name": system, "workload.prefix_len": lp, "rep": rep, "output_throughput_tok_s": tok,
+            "itl_p50_ms": 1e4 / tok, "ttft_p50_ms": 100.0, **{f"plugin.{k}": v for k, v in plugin.items()}}
+
+
+def results(rows):
+    return Results(root=Path("."), cells=pd.DataFrame(rows), failures=pd.DataFrame(), kernels=pd.DataFrame())
+
+
+def test_ratios_counters_and_not_measured_rows(tmp_path):
+    counters = {"steps": 10, "split_steps": 8, "rows.dense": 300, "rows.paged": 100, "rows.cascade": 0,
+                "rows.hydragen": 0, "plan_us": 8000.0, "prefix_us": 800.0, "index_us": 1600.0, "make_us": 2400.0,
+                "load_us": 3200.0, "dispatch_us": 80.0}
+    rows = [cell(HEAD, "sglang_server", 16384, 2000, rep=0), cell(HEAD, "sglang_server", 16384, 3000, rep=1),
+            cell(HEAD, "sglang_server_granikv", 16384, 5000, **counters),
+            cell(HEAD, "sglang_default", 16384, 2400), cell(HEAD, "granikv", 16384, 6000),
+            cell(HET, "sglang_server", 8192, 4000), cell(HET, "sglang_server_cascade", 8192, 3900, steps=0,
+                                                         split_steps=0, plan_us=0.0)]
+    t = in_sglang.in_sglang_table(results(rows)).set_index(["set", "workload.prefix_len", "system"])
+    g = t.loc[("headline", 16384, "granikv")]
+    assert g["sglang_x"] == pytest.approx(5000 / 2500) and g["engine_x"] == pytest.approx(6000 / 2400)
+    assert (g["n_sglang"], g["n_engine"]) == (1, 1) and g["status"] == "measured"
+    assert g["rows_dense"] == pytest.approx(0.75) and g["rows_paged"] == pytest.approx(0.25)
+    assert g["plan_us"] == pytest.approx(1000.0) and g["load_us"] == pytest.approx(400.0)
+    assert t.loc[("headline", 16384, "sglang_default"), "n_sglang"] == 2
+    # every planned headline Lp has all four systems, measured or not
+    assert t.loc[("headline", 512, "hydragen"), "status"] == "not measured"
+    assert {lp for s, lp, _ in t.index if s == "headline"} == set(in_sglang.HEADLINE_LPS)
+    # a counter window that counted no step recorded nothing: NaN, never 0
+    c = t.loc[("hetero k=4", 8192, "sglang_cascade")]
+    assert c["sglang_x"] == pytest.approx(3900 / 4000) and np.isnan(c["plan_us"]) and np.isnan(c["rows_paged"])
+    assert np.isnan(c["engine_x"]) and c["n_engine"] == 0
+    assert t.loc[("hetero k=4", 8192, "granikv"), "status"] == "not measured"
+    in_sglang.build(results(rows), tmp_path)
+    assert (tmp_path / "tables" / "in_sglang.md").exists() and (tmp_path / "figures" / "in_sglang.csv").exists()
+
+
+def test_no_cells_is_every_point_not_measured(tmp_path):
+    t = in_sglang.build(results([]), tmp_path)
+    assert set(t["status"]) == {"not measured"}
+    assert (tmp_path / "figures" / "in_sglang.png").exists()
+
+
+def test_the_claim_line_names_both_systems_and_the_plugin_counters():
+    counters = {"steps": 4, "split_steps": 4, "rows.dense": 40, "rows.paged": 0, "rows.cascade": 0, "rows.hydragen": 0,
+                "plan_us": 4000.0}
+    rows = [cell(HET, "sglang_server", 8192, 4000), cell(HET, "sglang_server_granikv", 8192, 5000, **counters)]
+    claim = pd.Series({"selectors": "workload.kind=multiprefix;workload.num_prefixes=4;hardware.name=a100_40gb;"
+                                    "system.name=sglang_server_granikv", "baseline": "system.name=sglang_server"})
+    line = in_sglang.claim_line(results(rows), claim)
+    assert "sglang_server_granikv against sglang_server" in line and "ITL p50 2.0 vs 2.5 ms" in line
+    assert "100.0% dense" in line and "host plan 1000 us" in line and "not logged" in line
+    assert in_sglang.claim_line(results(rows[:1]), claim) == ""          # no cell of the claim's system
