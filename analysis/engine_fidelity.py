@@ -191,10 +191,12 @@ def draw(t: pd.DataFrame, res: Results, out: Path) -> None:
 
 
 def provenance_line(res: Results) -> str:
-    """The REPORT's provenance of the real-SGLang cells: versions, the server's flags, code version."""
-    c = select(with_derived(res.cells), {"system": f"={REAL}"}) if not res.cells.empty else res.cells
+    """The REPORT's provenance of the cells served by real SGLang (``sglang_server`` and the plugin's
+    ``sglang_server_*`` systems): versions, the server's flags, code version."""
+    c = select(with_derived(res.cells), {"system": f"~{REAL}"}) if not res.cells.empty else res.cells
     if c.empty:
         return ""
+    per = ", ".join(f"{s} {n}" for s, n in sorted(c["system"].value_counts().items()))
 
     def vals(col: str) -> str:
         return ", ".join(sorted({str(v) for v in c[col].dropna()})) if col in c.columns else "?"
@@ -204,7 +206,8 @@ def provenance_line(res: Results) -> str:
     dirty = sorted({f for v in c.get("provenance.git_dirty_files", pd.Series(dtype=object)).dropna()
                     for f in (json.loads(v) if isinstance(v, str) and v.startswith("[") else
                               v if isinstance(v, list) else [v])})
-    return (f"Real SGLang cells (`sglang_server`): {len(c)}, SGLang {vals('provenance.sglang')} on "
+    return (f"Real SGLang cells (`sglang_server`, and the plugin's systems inside it): {len(c)} ({per}), "
+            f"SGLang {vals('provenance.sglang')} on "
             f"{vals('provenance.gpu_name')} (its python's packages: {pkgs or '?'}); the server's command line and "
             f"resolved `/server_info` are in each cell's config.json (`provenance.engine`). Code: "
             f"{vals('provenance.git_commit')}, with uncommitted changes only in {', '.join(dirty) or 'no file'} "

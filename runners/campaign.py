@@ -66,8 +66,11 @@ class CampaignItem:
         in place of the item's own (e.g. the axes restricted to what is missing)."""
         ov = self.overrides if overrides is None else overrides
         tp = f"GRANIKV_TP={self.gpus} " if self.gpus > 1 else ""
+        # cells served by real SGLang (system=sglang_server*) take sweep.sh's SGLang setup, not the engine's
+        engine = "GRANIKV_ENGINE=sglang " if any(o.startswith("system=") and "sglang_server" in o
+                                                 for o in self.overrides) else ""
         tail = f" -- {' '.join(shlex.quote(o) for o in ov)}" if ov else ""
-        return f"{tp}bash runners/gpu/sweep.sh {self.sweep}{tail}"
+        return f"{tp}{engine}bash runners/gpu/sweep.sh {self.sweep}{tail}"
 
     def local_command(self, overrides: list[str] | None = None) -> str:
         """The same sweep on a machine of your own (torchrun at tp > 1)."""
@@ -177,8 +180,14 @@ def expand(item: CampaignItem, check: bool = False) -> list[PlannedCell]:
     def plan() -> list[PlannedCell]:
         bases: dict = {}
         task = [f"sweep={item.sweep}", *item.overrides]
-        if check:
-            top = compose(config_name="config", overrides=task, return_hydra_config=True)
+        if check:   # compose without the item's own sweep axes (plain compose cannot take a, b); sweep_jobs expands them
+            from hydra.core.override_parser.overrides_parser import OverridesParser
+            from omegaconf import OmegaConf, open_dict
+            single = [o.input_line for o in OverridesParser.create().parse_overrides(task) if not o.is_sweep_override()]
+            top = compose(config_name="config", overrides=single, return_hydra_config=True)
+            OmegaConf.set_readonly(top, False)
+            with open_dict(top):
+                top.hydra.overrides.task = task
         else:   # the sweeper params come from the preset alone: read them without a composition (~0.2 s)
             from omegaconf import OmegaConf
             doc = yaml.safe_load((CONF / "sweep" / f"{item.sweep}.yaml").read_text()) or {}

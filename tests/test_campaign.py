@@ -115,7 +115,7 @@ def test_extra_cells_in_the_folder_are_counted_not_matched(smoke_raw, tmp_path):
 def test_every_item_is_missing_on_empty_results(tmp_path):
     t, cells = coverage.tables(load_results(tmp_path / "none"))
     assert (t["missing"] == t["planned"]).all() and (cells["status"] == coverage.MISSING).all()
-    assert all(c.startswith(("bash runners/gpu/sweep.sh", "GRANIKV_TP=")) for c in t["command"])
+    assert all(c.startswith(("bash runners/gpu/sweep.sh", "GRANIKV_TP=", "GRANIKV_ENGINE=sglang bash")) for c in t["command"])
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -199,3 +199,10 @@ def test_missing_values_are_told_in_the_sweeps_own_order():
     rows[0]["status"] = rows[1]["status"] = coverage.MEASURED
     what, _ = coverage.missing_command(SMOKE, rows)
     assert what.startswith("workload.batch=128,256 ")
+
+
+def test_the_gpu_command_of_an_sglang_served_item_sets_up_sglang():
+    real = CampaignItem(id="r", what="x", issue=1, sweep="headline", overrides=["system=sglang_server_granikv"])
+    assert real.device_command().startswith("GRANIKV_ENGINE=sglang bash runners/gpu/sweep.sh headline -- ")
+    assert real.device_command(["workload.prefix_len=1024"]).startswith("GRANIKV_ENGINE=sglang ")
+    assert not SMOKE.device_command().startswith("GRANIKV_ENGINE")
