@@ -36,8 +36,8 @@ def test_ratios_counters_and_not_measured_rows(tmp_path):
     rows = [cell(HEAD, "sglang_server", 16384, 2000, rep=0), cell(HEAD, "sglang_server", 16384, 3000, rep=1),
             cell(HEAD, "sglang_server_granikv", 16384, 5000, **counters),
             cell(HEAD, "sglang_default", 16384, 2400), cell(HEAD, "granikv", 16384, 6000),
-            cell(HET, "sglang_server", 8192, 4000), cell(HET, "sglang_server_cascade", 8192, 3900, steps=0,
-                                                         split_steps=0, plan_us=0.0)]
+            cell(HET, "sglang_server", 8192, 4000), {**cell(HET, "sglang_server_cascade", 8192, 3900, steps=0, split_steps=0, plan_us=0.0),
+                                              "system.cascade_impl": "multilevel"}]
     t = in_sglang.in_sglang_table(results(rows)).set_index(["set", "workload.prefix_len", "system"])
     g = t.loc[("headline", 16384, "granikv")]
     assert g["sglang_x"] == pytest.approx(5000 / 2500) and g["engine_x"] == pytest.approx(6000 / 2400)
@@ -51,6 +51,7 @@ def test_ratios_counters_and_not_measured_rows(tmp_path):
     # a counter window that counted no step recorded nothing: NaN, never 0
     c = t.loc[("hetero k=4", 8192, "sglang_cascade")]
     assert c["sglang_x"] == pytest.approx(3900 / 4000) and np.isnan(c["plan_us"]) and np.isnan(c["rows_paged"])
+    assert c["cascade_impl"] == "multilevel" and g["cascade_impl"] == ""
     assert np.isnan(c["engine_x"]) and c["n_engine"] == 0
     assert t.loc[("hetero k=4", 8192, "granikv"), "status"] == "not measured"
     in_sglang.build(results(rows), tmp_path)

@@ -91,7 +91,9 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
             dispatcher = Dispatcher.from_hardware(hw, hq, hkv, d, gpu_name=gpu)
             logger.info("granikv attention: decision table from %s", describe(hw))
         self.decode = DecodeAttention(make_policy(policy_name, dispatcher), hq, hkv, d, device=model_runner.device,
-                                      dtype=model_runner.dtype, sm_scale=mc.head_dim ** -0.5, impl="flashinfer")
+                                      dtype=model_runner.dtype, sm_scale=mc.head_dim ** -0.5, impl="flashinfer",
+                                      cascade_impl=self.settings.cascade_impl if policy_name == "cascade"
+                                      else "multilevel")
         self.stats = PathStats(backend_name, policy_name)
         self._writer = StatsWriter(self.settings.stats_file)
         self._staged: Optional[StepPrefixes] = None

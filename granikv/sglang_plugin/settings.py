@@ -9,15 +9,21 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from granikv.config import CASCADE_IMPLS
+
 logger = logging.getLogger(__name__)
 
 ENV_HOT_FRACTION = "GRANIKV_HOT_FRACTION"
 ENV_PREFIX_LEN = "GRANIKV_PREFIX_LEN"
 ENV_HARDWARE = "GRANIKV_HARDWARE"
 ENV_STATS_FILE = "GRANIKV_STATS_FILE"
+ENV_CASCADE_IMPL = "GRANIKV_CASCADE_IMPL"
 PREFIX_PARAM = "granikv_prefix_len"  # the key in a request's sampling_params.custom_params
 
 DEFAULT_HOT_FRACTION = 0.2
+# the batch-global cascade's GPU path: composed, the faster one, is the SGLang-Cascade baseline's
+# (conf/system/sglang_cascade.yaml)
+DEFAULT_CASCADE_IMPL = "composed"
 
 
 @dataclass(frozen=True)
@@ -28,12 +34,15 @@ class PluginSettings:
     ``hardware``: where the ``granikv`` attention backend's decision table comes from: ``auto``
     (the ``conf/hardware`` preset whose ``gpu_name`` is this GPU's), a preset name (``h200``) or a
     YAML file path. ``stats_file``: where the attention backends write their path counters as
-    JSON (empty: not written)."""
+    JSON (empty: not written). ``cascade_impl``: how ``granikv_cascade`` runs its batch-global
+    cascade: ``composed`` (FlashInfer batch prefill + tensor-core decode + merge, the default) or
+    ``multilevel`` (FlashInfer's MultiLevelCascadeAttentionWrapper)."""
 
     hot_fraction: float = DEFAULT_HOT_FRACTION
     prefix_len: int = 0
     hardware: str = "auto"
     stats_file: str = ""
+    cascade_impl: str = DEFAULT_CASCADE_IMPL
 
     def __post_init__(self):
         if isinstance(self.hot_fraction, bool) or not isinstance(self.hot_fraction, (int, float)) \
@@ -41,6 +50,8 @@ class PluginSettings:
             raise ValueError(f"{ENV_HOT_FRACTION} must be a number in [0, 1), got {self.hot_fraction!r}")
         if isinstance(self.prefix_len, bool) or not isinstance(self.prefix_len, int) or self.prefix_len < 0:
             raise ValueError(f"{ENV_PREFIX_LEN} must be an int >= 0, got {self.prefix_len!r}")
+        if self.cascade_impl not in CASCADE_IMPLS:
+            raise ValueError(f"{ENV_CASCADE_IMPL} must be one of {CASCADE_IMPLS}, got {self.cascade_impl!r}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "PluginSettings":
@@ -56,7 +67,7 @@ class PluginSettings:
         except ValueError:
             raise ValueError(f"{ENV_PREFIX_LEN} must be an int >= 0, got {plen!r}") from None
         return cls(hot_fraction, prefix_len, env.get(ENV_HARDWARE, "").strip() or "auto",
-                   env.get(ENV_STATS_FILE, "").strip())
+                   env.get(ENV_STATS_FILE, "").strip(), env.get(ENV_CASCADE_IMPL, "").strip() or DEFAULT_CASCADE_IMPL)
 
 
 def shared_prefix_len(custom_params: Any, prompt_len: int, settings: PluginSettings) -> int:
