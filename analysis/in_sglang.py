@@ -11,7 +11,8 @@ Rows: per cell set and system (the paper's name), Llama-3.1-8B TP=1, B=256:
   in-SGLang plugin cell too), the H200's KV budget;
 - ``hetero k=4``: heterogeneous multi-prefix (2K, 4K, 8K, 16K), burst, the A100-40GB KV budget.
 
-Columns: ``n`` and output tok/s (repetition mean) in SGLang and in the engine, each over its own
+Columns: ``cascade_impl`` (the SGLang-Cascade row: the GPU path it ran inside SGLang; the engine's
+baseline runs ``composed``), ``n`` and output tok/s (repetition mean) in SGLang and in the engine, each over its own
 SGLang default (``sglang_x``: over real SGLang; ``engine_x``: over the engine's sglang_default), ITL
 and TTFT p50 in SGLang, and the plugin's own counters over the measured window: the share of decode
 rows by path, and the host time per planned decode step, whole (``plan_us``: prefix read + KV index
@@ -47,7 +48,7 @@ SETS = {"headline": {"workload.kind": "=sharegpt", "workload.num_prefixes": "=1"
 HEADLINE_LPS = (512, 2048, 8192, 16384)      # the Lp every in-SGLang system is planned at
 PATHS = ("dense", "cascade", "hydragen", "paged")
 STAGES = ("prefix", "index", "make", "load", "dispatch")
-COLS = ["set", "workload.prefix_len", "system", "n_sglang", "sglang_tok_s", "sglang_x", "n_engine", "engine_tok_s",
+COLS = ["set", "workload.prefix_len", "system", "cascade_impl", "n_sglang", "sglang_tok_s", "sglang_x", "n_engine", "engine_tok_s",
         "engine_x", "sglang_itl_p50_ms", "sglang_ttft_p50_ms", *[f"rows_{p}" for p in PATHS], "plan_us",
         *[f"{s}_us" for s in STAGES], "status"]
 
@@ -99,7 +100,10 @@ def in_sglang_table(res: Results) -> pd.DataFrame:
                 s_tok, n_s = _mean(at, in_sgl, THROUGHPUT) if not at.empty else (np.nan, 0)
                 e_tok, n_e = _mean(at, eng, THROUGHPUT) if not at.empty else (np.nan, 0)
                 mine = at[at["system"] == in_sgl] if not at.empty else at
-                rows.append({"set": name, "workload.prefix_len": lp, "system": paper, "n_sglang": n_s,
+                impl = (",".join(sorted({str(v) for v in mine["system.cascade_impl"].dropna()}))
+                        if paper == "sglang_cascade" and n_s and "system.cascade_impl" in mine.columns else "")
+                rows.append({"set": name, "workload.prefix_len": lp, "system": paper, "cascade_impl": impl,
+                             "n_sglang": n_s,
                              "sglang_tok_s": s_tok, "sglang_x": s_tok / real, "n_engine": n_e, "engine_tok_s": e_tok,
                              "engine_x": e_tok / eng_base,
                              "sglang_itl_p50_ms": _mean(mine, in_sgl, "itl_p50_ms")[0] if n_s else np.nan,
@@ -119,6 +123,9 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
                      "engine_x: the engine's system over the engine's sglang_default. rows_*: share of the plugin's "
                      "decode rows by path; plan_us: host time per planned decode step (prefix read + KV index list + "
                      "step plan + FlashInfer's plan calls), then by stage (make includes the dispatcher, dispatch); "
+                     "cascade_impl: the GPU path SGLang-Cascade ran inside SGLang (the engine's runs composed: "
+                     "batch prefill + tensor-core decode + merge; multilevel: FlashInfer's MultiLevelCascadeAttentionWrapper, "
+                     "slower in kernel and plan time); "
                      "NaN: not recorded. headline: ShareGPT, one shared prefix, H200 KV budget; hetero k=4: prefixes "
                      "2K/4K/8K/16K, burst, A100-40GB KV budget (Lp column: the workload's nominal Lp).")
     if figures:
