@@ -97,19 +97,22 @@ def in_sglang_table(res: Results) -> pd.DataFrame:
             real = _mean(at, SYSTEMS[BASE][0], THROUGHPUT)[0] if not at.empty else np.nan
             eng_base = _mean(at, SYSTEMS[BASE][1], THROUGHPUT)[0] if not at.empty else np.nan
             for paper, (in_sgl, eng) in SYSTEMS.items():
-                s_tok, n_s = _mean(at, in_sgl, THROUGHPUT) if not at.empty else (np.nan, 0)
                 e_tok, n_e = _mean(at, eng, THROUGHPUT) if not at.empty else (np.nan, 0)
-                mine = at[at["system"] == in_sgl] if not at.empty else at
-                impl = (",".join(sorted({str(v) for v in mine["system.cascade_impl"].dropna()}))
-                        if paper == "sglang_cascade" and n_s and "system.cascade_impl" in mine.columns else "")
-                rows.append({"set": name, "workload.prefix_len": lp, "system": paper, "cascade_impl": impl,
-                             "n_sglang": n_s,
-                             "sglang_tok_s": s_tok, "sglang_x": s_tok / real, "n_engine": n_e, "engine_tok_s": e_tok,
-                             "engine_x": e_tok / eng_base,
-                             "sglang_itl_p50_ms": _mean(mine, in_sgl, "itl_p50_ms")[0] if n_s else np.nan,
-                             "sglang_ttft_p50_ms": _mean(mine, in_sgl, "ttft_p50_ms")[0] if n_s else np.nan,
-                             **plugin_counters(mine), "status": "measured" if n_s else NOT_MEASURED})
-    return sort_rows(pd.DataFrame(rows, columns=COLS), ["set", "workload.prefix_len", "system"])
+                ours = at[at["system"] == in_sgl] if not at.empty else at
+                # SGLang-Cascade: one row per GPU path it ran (never pooled across cascade_impl)
+                impls = [""]
+                if paper == "sglang_cascade" and not ours.empty and "system.cascade_impl" in ours.columns:
+                    impls = sorted({str(v) for v in ours["system.cascade_impl"].dropna()}) or [""]
+                for impl in impls:
+                    mine = ours[ours["system.cascade_impl"].astype(str) == impl] if impl else ours
+                    s_tok, n_s = _mean(mine, in_sgl, THROUGHPUT) if not mine.empty else (np.nan, 0)
+                    rows.append({"set": name, "workload.prefix_len": lp, "system": paper, "cascade_impl": impl,
+                                 "n_sglang": n_s, "sglang_tok_s": s_tok, "sglang_x": s_tok / real, "n_engine": n_e,
+                                 "engine_tok_s": e_tok, "engine_x": e_tok / eng_base,
+                                 "sglang_itl_p50_ms": _mean(mine, in_sgl, "itl_p50_ms")[0] if n_s else np.nan,
+                                 "sglang_ttft_p50_ms": _mean(mine, in_sgl, "ttft_p50_ms")[0] if n_s else np.nan,
+                                 **plugin_counters(mine), "status": "measured" if n_s else NOT_MEASURED})
+    return sort_rows(pd.DataFrame(rows, columns=COLS), ["set", "workload.prefix_len", "system", "cascade_impl"])
 
 
 def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
@@ -141,14 +144,18 @@ def draw(t: pd.DataFrame, res: Results, out: Path) -> None:
         return
     col = system_colors(SYSTEMS)
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4), gridspec_kw={"width_ratios": [1.1, 1.1, 0.8]})
-    for paper in SYSTEMS:
-        g = h[h["system"] == paper].sort_values("workload.prefix_len")
+    for (paper, impl), g in h.groupby(["system", "cascade_impl"], sort=False):
+        g = g.sort_values("workload.prefix_len")
         x = g["workload.prefix_len"].astype(int)
-        a.plot(x, g["sglang_tok_s"], marker="o", color=col[paper], label=f"{paper} in SGLang")
-        a.plot(x, g["engine_tok_s"], marker="s", ls="--", color=col[paper], alpha=0.6, label=f"{paper} (engine)")
+        tag = f"{paper}{f' ({impl})' if impl else ''} in SGLang"
+        first = impl == (sorted(h.loc[h["system"] == paper, "cascade_impl"])[-1])   # the engine line once
+        a.plot(x, g["sglang_tok_s"], marker="o", color=col[paper], label=tag, ls="-" if first else "-.")
+        if first:
+            a.plot(x, g["engine_tok_s"], marker="s", ls="--", color=col[paper], alpha=0.6, label=f"{paper} (engine)")
         if paper != BASE:
-            b.plot(x, g["sglang_x"], marker="o", color=col[paper], label=f"{paper} in SGLang")
-            b.plot(x, g["engine_x"], marker="s", ls="--", color=col[paper], alpha=0.6, label=f"{paper} (engine)")
+            b.plot(x, g["sglang_x"], marker="o", color=col[paper], label=tag, ls="-" if first else "-.")
+            if first:
+                b.plot(x, g["engine_x"], marker="s", ls="--", color=col[paper], alpha=0.6, label=f"{paper} (engine)")
     claim = paper_claims(["headline_llama8b_in_sglang"])
     if len(claim) and np.isfinite(claim["value"].iloc[0]):
         mark_paper(b, 16384, float(claim["value"].iloc[0]))
@@ -169,7 +176,7 @@ def draw(t: pd.DataFrame, res: Results, out: Path) -> None:
         c.bar(xs - 0.2, k["sglang_x"], 0.4, color=[col[s] for s in k["system"]], label="in SGLang")
         c.bar(xs + 0.2, k["engine_x"], 0.4, color=[col[s] for s in k["system"]], alpha=0.45, hatch="//",
               label="engine")
-        c.set_xticks(xs, k["system"], fontsize=8)
+        c.set_xticks(xs, [f"{s}\n{i}" if i else s for s, i in zip(k["system"], k["cascade_impl"])], fontsize=8)
         c.axhline(1.0, color="0.5", lw=0.8)
         c.set_ylabel("output throughput / own SGLang default")
         c.legend(fontsize=7)

@@ -54,6 +54,11 @@ def test_ratios_counters_and_not_measured_rows(tmp_path):
     assert c["cascade_impl"] == "multilevel" and g["cascade_impl"] == ""
     assert np.isnan(c["engine_x"]) and c["n_engine"] == 0
     assert t.loc[("hetero k=4", 8192, "granikv"), "status"] == "not measured"
+    # a rerun on another GPU path is a row of its own, never pooled with the old one
+    rows.append({**cell(HET, "sglang_server_cascade", 8192, 4400), "system.cascade_impl": "composed"})
+    t2 = in_sglang.in_sglang_table(results(rows))
+    cas = t2[(t2["set"] == "hetero k=4") & (t2["system"] == "sglang_cascade")].set_index("cascade_impl")
+    assert cas.loc["composed", "sglang_x"] == pytest.approx(4400 / 4000) and cas.loc["multilevel", "n_sglang"] == 1
     in_sglang.build(results(rows), tmp_path)
     assert (tmp_path / "tables" / "in_sglang.md").exists() and (tmp_path / "figures" / "in_sglang.csv").exists()
 
