@@ -12,7 +12,8 @@ Rows: per cell set and system (the paper's name), Llama-3.1-8B TP=1, B=256:
 - ``hetero k=4``: heterogeneous multi-prefix (2K, 4K, 8K, 16K), burst, the A100-40GB KV budget.
 
 Columns: ``cascade_impl`` (the SGLang-Cascade row: the GPU path it ran inside SGLang; the engine's
-baseline runs ``composed``), ``n`` and output tok/s (repetition mean) in SGLang and in the engine, each over its own
+baseline runs ``composed``) and ``decode_plan`` (how the plugin re-planned FlashInfer's decode wrappers:
+``fast`` or ``flashinfer``); a system has one row per combination it ran (VARIANTS), never pooled. ``n`` and output tok/s (repetition mean) in SGLang and in the engine, each over its own
 SGLang default (``sglang_x``: over real SGLang; ``engine_x``: over the engine's sglang_default), ITL
 and TTFT p50 in SGLang, and the plugin's own counters over the measured window: the share of decode
 rows by path, and the host time per planned decode step, whole (``plan_us``: prefix read + KV index
@@ -48,7 +49,10 @@ SETS = {"headline": {"workload.kind": "=sharegpt", "workload.num_prefixes": "=1"
 HEADLINE_LPS = (512, 2048, 8192, 16384)      # the Lp every in-SGLang system is planned at
 PATHS = ("dense", "cascade", "hydragen", "paged")
 STAGES = ("prefix", "index", "make", "load", "dispatch")
-COLS = ["set", "workload.prefix_len", "system", "cascade_impl", "n_sglang", "sglang_tok_s", "sglang_x", "n_engine", "engine_tok_s",
+# the plugin settings a row is split by (never pooled across), and today's values
+# (conf/system/sglang_server_{cascade,hydragen,granikv}.yaml): cascade_impl for SGLang-Cascade only
+VARIANTS = {"cascade_impl": "composed", "decode_plan": "fast"}
+COLS = ["set", "workload.prefix_len", "system", "cascade_impl", "decode_plan", "n_sglang", "sglang_tok_s", "sglang_x", "n_engine", "engine_tok_s",
         "engine_x", "sglang_itl_p50_ms", "sglang_ttft_p50_ms", *[f"rows_{p}" for p in PATHS], "plan_us",
         *[f"{s}_us" for s in STAGES], "status"]
 
@@ -99,20 +103,45 @@ def in_sglang_table(res: Results) -> pd.DataFrame:
             for paper, (in_sgl, eng) in SYSTEMS.items():
                 e_tok, n_e = _mean(at, eng, THROUGHPUT) if not at.empty else (np.nan, 0)
                 ours = at[at["system"] == in_sgl] if not at.empty else at
-                # SGLang-Cascade: one row per GPU path it ran (never pooled across cascade_impl)
-                impls = [""]
-                if paper == "sglang_cascade" and not ours.empty and "system.cascade_impl" in ours.columns:
-                    impls = sorted({str(v) for v in ours["system.cascade_impl"].dropna()}) or [""]
-                for impl in impls:
-                    mine = ours[ours["system.cascade_impl"].astype(str) == impl] if impl else ours
+                for var, mine in variants(ours, paper):
                     s_tok, n_s = _mean(mine, in_sgl, THROUGHPUT) if not mine.empty else (np.nan, 0)
-                    rows.append({"set": name, "workload.prefix_len": lp, "system": paper, "cascade_impl": impl,
+                    rows.append({"set": name, "workload.prefix_len": lp, "system": paper, **var,
                                  "n_sglang": n_s, "sglang_tok_s": s_tok, "sglang_x": s_tok / real, "n_engine": n_e,
                                  "engine_tok_s": e_tok, "engine_x": e_tok / eng_base,
                                  "sglang_itl_p50_ms": _mean(mine, in_sgl, "itl_p50_ms")[0] if n_s else np.nan,
                                  "sglang_ttft_p50_ms": _mean(mine, in_sgl, "ttft_p50_ms")[0] if n_s else np.nan,
                                  **plugin_counters(mine), "status": "measured" if n_s else NOT_MEASURED})
-    return sort_rows(pd.DataFrame(rows, columns=COLS), ["set", "workload.prefix_len", "system", "cascade_impl"])
+    return sort_rows(pd.DataFrame(rows, columns=COLS), ["set", "workload.prefix_len", "system", *VARIANTS])
+
+
+def variant_keys(paper: str) -> list[str]:
+    """The VARIANTS keys that split ``paper``'s in-SGLang rows (none for SGLang default)."""
+    if paper == BASE:
+        return []
+    return [k for k in VARIANTS if k != "cascade_impl" or paper == "sglang_cascade"]
+
+
+def variants(ours: pd.DataFrame, paper: str) -> list[tuple[dict, pd.DataFrame]]:
+    """``ours`` (one system's cells at one point) split by the plugin settings it ran with: one
+    (values, cells) per distinct combination, today's first; ("", ...) for a key that does not
+    apply. No cells: one empty group (the point's ``not measured`` row)."""
+    blank = {k: "" for k in VARIANTS}
+    keys = [k for k in variant_keys(paper) if f"system.{k}" in ours.columns]
+    if ours.empty or not keys:
+        return [(blank, ours)]
+    vals = ours[[f"system.{k}" for k in keys]].astype(object).where(ours[[f"system.{k}" for k in keys]].notna(), "")
+    combos = sorted({tuple(str(v) for v in r) for r in vals.itertuples(index=False)},
+                    key=lambda c: (c != tuple(VARIANTS[k] for k in keys), c))
+    out = []
+    for combo in combos:
+        mask = np.logical_and.reduce([vals[f"system.{k}"].astype(str) == v for k, v in zip(keys, combo)])
+        out.append(({**blank, **dict(zip(keys, combo))}, ours[mask]))
+    return out
+
+
+def is_current(row: pd.Series) -> bool:
+    """Whether a table row ran with today's plugin settings (VARIANTS; "" = does not apply)."""
+    return all(row[k] in ("", v) for k, v in VARIANTS.items())
 
 
 def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
@@ -128,7 +157,9 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
                      "step plan + FlashInfer's plan calls), then by stage (make includes the dispatcher, dispatch); "
                      "cascade_impl: the GPU path SGLang-Cascade ran inside SGLang (the engine's runs composed: "
                      "batch prefill + tensor-core decode + merge; multilevel: FlashInfer's MultiLevelCascadeAttentionWrapper, "
-                     "slower in kernel and plan time); "
+                     "slower in kernel and plan time); decode_plan: how the plugin re-planned FlashInfer's decode "
+                     "wrappers each step (fast: FlashInfer's fast_decode_plan, as SGLang's own backend; flashinfer: "
+                     "the wrapper's plan(), a Python max() over the batch included); one row per setting, never pooled; "
                      "NaN: not recorded. headline: ShareGPT, one shared prefix, H200 KV budget; hetero k=4: prefixes "
                      "2K/4K/8K/16K, burst, A100-40GB KV budget (Lp column: the workload's nominal Lp).")
     if figures:
@@ -144,11 +175,12 @@ def draw(t: pd.DataFrame, res: Results, out: Path) -> None:
         return
     col = system_colors(SYSTEMS)
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4), gridspec_kw={"width_ratios": [1.1, 1.1, 0.8]})
-    for (paper, impl), g in h.groupby(["system", "cascade_impl"], sort=False):
+    for (paper, *var), g in h.groupby(["system", *VARIANTS], sort=False):
         g = g.sort_values("workload.prefix_len")
         x = g["workload.prefix_len"].astype(int)
-        tag = f"{paper}{f' ({impl})' if impl else ''} in SGLang"
-        first = impl == (sorted(h.loc[h["system"] == paper, "cascade_impl"])[-1])   # the engine line once
+        shown = ", ".join(v for v in var if v)
+        tag = f"{paper}{f' ({shown})' if shown else ''} in SGLang"
+        first = is_current(g.iloc[0])    # today's settings: solid, with the engine line once
         a.plot(x, g["sglang_tok_s"], marker="o", color=col[paper], label=tag, ls="-" if first else "-.")
         if first:
             a.plot(x, g["engine_tok_s"], marker="s", ls="--", color=col[paper], alpha=0.6, label=f"{paper} (engine)")
@@ -176,7 +208,8 @@ def draw(t: pd.DataFrame, res: Results, out: Path) -> None:
         c.bar(xs - 0.2, k["sglang_x"], 0.4, color=[col[s] for s in k["system"]], label="in SGLang")
         c.bar(xs + 0.2, k["engine_x"], 0.4, color=[col[s] for s in k["system"]], alpha=0.45, hatch="//",
               label="engine")
-        c.set_xticks(xs, [f"{s}\n{i}" if i else s for s, i in zip(k["system"], k["cascade_impl"])], fontsize=8)
+        c.set_xticks(xs, [s + "".join(f"\n{v}" for v in var if v)
+                          for s, *var in k[["system", *VARIANTS]].itertuples(index=False)], fontsize=8)
         c.axhline(1.0, color="0.5", lw=0.8)
         c.set_ylabel("output throughput / own SGLang default")
         c.legend(fontsize=7)

@@ -16,6 +16,7 @@ PLUGIN_ATTENTION = {"granikv": "granikv", "granikv_cascade": "cascade", "hydrage
 RADIX_BACKENDS = ("", "granikv")   # --radix-cache-backend: "" = SGLang's own RadixCache
 DISPATCH = ("table", "dense_only", "cascade_only", "paged_only")
 CASCADE_IMPLS = ("multilevel", "composed")   # backend=cascade, GPU path (see SystemConfig.cascade_impl)
+DECODE_PLANS = ("flashinfer", "fast")         # how decode wrappers are re-planned (see SystemConfig.decode_plan)
 WORKLOADS = ("synthetic", "sharegpt", "multiprefix")
 ARRIVALS = ("burst", "poisson", "gamma")
 
@@ -121,6 +122,10 @@ class SystemConfig:
     # backend=cascade only, GPU path: multilevel = FlashInfer's MultiLevelCascadeAttentionWrapper;
     # composed = batch prefill over the common prefix + tensor-core decode of the rest + merge
     cascade_impl: str = "multilevel"
+    # GPU path, how each step re-plans FlashInfer's decode wrappers: flashinfer = the wrapper's plan();
+    # fast = FlashInfer's fast_decode_plan after the first plan(), as SGLang's FlashInfer backend
+    # re-plans its decode graphs (granikv.attention.flashinfer_ops.plan_decode)
+    decode_plan: str = "flashinfer"
     engine: str = "granikv"           # granikv = our compact engine | sglang = a real SGLang server (system.server)
     server: Optional[ServerConfig] = None   # engine=sglang only
     # HOT/COLD boundary: static = fixed at hot_fraction (the paper) | dynamic = moves online over free
@@ -146,6 +151,12 @@ class SystemConfig:
         _need(self.cascade_impl in CASCADE_IMPLS, "system.cascade_impl", f"'{self.cascade_impl}' not in {CASCADE_IMPLS}")
         _need(self.cascade_impl == "multilevel" or self.backend == "cascade", "system.cascade_impl",
               f"'{self.cascade_impl}' applies to backend=cascade only (this system's backend is '{self.backend}')")
+        _need(self.decode_plan in DECODE_PLANS, "system.decode_plan", f"'{self.decode_plan}' not in {DECODE_PLANS}")
+        _need(self.decode_plan == "flashinfer" or self.server is None or self.server.attention_backend in PLUGIN_ATTENTION,
+              "system.decode_plan",
+              "'fast' applies to our engine or to a granikv plugin server (system.server.attention_backend "
+              f"granikv / granikv_cascade / hydragen); stock SGLang ('{self.server.attention_backend if self.server else ''}') "
+              "plans its own decode: set decode_plan=flashinfer")
         _need(self.dispatch in DISPATCH, "system.dispatch", f"'{self.dispatch}' not in {DISPATCH}")
         _need(0.0 <= self.hot_fraction < 1.0, "system.hot_fraction", "must be in [0, 1)")
         _need(self.hot_split in ("static", "dynamic"), "system.hot_split",

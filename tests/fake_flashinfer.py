@@ -62,6 +62,14 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
         if use_cuda_graph:
             assert paged_kv_last_page_len_buffer.numel() == paged_kv_indptr_buffer.numel() - 1
         self.use_tensor_cores = use_tensor_cores
+        # what FlashInfer's fast_decode_plan reads off a wrapper (its graph-mode buffers, the module
+        # the first plan() picked)
+        self.is_cuda_graph_enabled = use_cuda_graph
+        self._paged_kv_indptr_buf = paged_kv_indptr_buffer
+        self._paged_kv_indices_buf = paged_kv_indices_buffer
+        self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer
+        self._cached_module = None
+        self.plans = {"plan": 0, "fast": 0}
         DECODE_WRAPPERS.append(self)
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *, q_data_type=None,
@@ -69,6 +77,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
         assert page_size == 1 and not kw, kw
         self.sm_scale = sm_scale
         self._store(None, indptr.int() if indptr.dtype != torch.int32 else indptr, indices, last_page_len)
+        self._cached_module = "batch_decode"
+        self.plans["plan"] += 1
 
     def run(self, q, paged_kv_cache, *, return_lse=False, **kw):
         k, v = _kv(paged_kv_cache)
@@ -147,11 +157,38 @@ def merge_state_in_place(v, s, v_other, s_other, mask=None):
     R.merge_state_in_place(v, s, v_other, s_other, mask)
 
 
-def module() -> types.ModuleType:
+def fast_decode_plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                     pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type=None,
+                     kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
+                     non_blocking=True, fixed_split_size=None, disable_split_kv=False, global_override_indptr_cpu=None):
+    """FlashInfer's fast_decode_plan as it behaves (0.6.15): it needs the module of a prior plan(), plans
+    from the host indptr (``global_override_indptr_cpu``, else ``indptr.cpu()``), and in graph mode
+    writes NO input buffer (the kernels then read whatever the caller left there); eagerly it keeps
+    the tensors it is given."""
+    assert self._cached_module is not None, "fast_decode_plan needs _cached_module from a prior plan()"
+    assert page_size == 1
+    host = global_override_indptr_cpu if global_override_indptr_cpu is not None else indptr.cpu()
+    _i32(host, "indptr")
+    assert host.device.type == "cpu", "the plan's indptr must be a host tensor"
+    if self.is_cuda_graph_enabled:
+        assert len(last_page_len) == self._paged_kv_last_page_len_buf.numel(), "cudagraph mode: batch size is fixed"
+        assert len(indices) <= len(self._paged_kv_indices_buf), "indices exceed the cudagraph buffer"
+        # the plan is made from the host indptr, the kernels read the device buffer: they must agree
+        assert torch.equal(self._paged_kv_indptr_buf.cpu(), host), "graph-mode indptr buffer not written"
+    else:
+        _i32(indices, "indices")
+        assert int(host[-1]) == indices.numel() and torch.equal(indptr.cpu(), host)
+        self.state = (None, indptr.clone(), indices.clone())
+    self.sm_scale = sm_scale
+    self.plans["fast"] += 1
+
+
+def module(fast_plan: bool = True) -> types.ModuleType:
+    """The stand-in module; ``fast_plan=False``: a FlashInfer without ``fast_decode_plan``."""
     m = types.ModuleType("flashinfer")
     m.__version__ = "fake-0.7.2.post1"
     for name in ("BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
                  "MultiLevelCascadeAttentionWrapper", "single_prefill_with_kv_cache", "merge_state",
-                 "merge_states", "merge_state_in_place"):
+                 "merge_states", "merge_state_in_place") + (("fast_decode_plan",) if fast_plan else ()):
         setattr(m, name, globals()[name])
     return m

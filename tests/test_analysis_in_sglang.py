@@ -63,6 +63,41 @@ def test_ratios_counters_and_not_measured_rows(tmp_path):
     assert (tmp_path / "tables" / "in_sglang.md").exists() and (tmp_path / "figures" / "in_sglang.csv").exists()
 
 
+def test_decode_plan_splits_rows_todays_setting_first(tmp_path):
+    """Cells of one system and point that ran different plugin decode plans are separate rows (never
+    pooled), today's (fast) first; SGLang default has no variant; a cell from before the key existed
+    is its loader default (flashinfer)."""
+    rows = [cell(HEAD, "sglang_server", 512, 10000),
+            {**cell(HEAD, "sglang_server_granikv", 512, 7000), "system.decode_plan": "flashinfer"},
+            {**cell(HEAD, "sglang_server_granikv", 512, 9000), "system.decode_plan": "fast"},
+            {**cell(HEAD, "sglang_server_cascade", 512, 8000), "system.decode_plan": "fast",
+             "system.cascade_impl": "composed"},
+            {**cell(HEAD, "sglang_server_cascade", 512, 5000), "system.decode_plan": "flashinfer",
+             "system.cascade_impl": "multilevel"}]
+    t = in_sglang.in_sglang_table(results(rows))
+    at = t[(t["set"] == "headline") & (t["workload.prefix_len"] == 512)]
+    g = at[at["system"] == "granikv"]
+    assert list(g["decode_plan"]) == ["fast", "flashinfer"] and list(g["cascade_impl"]) == ["", ""]
+    assert list(g["sglang_x"]) == pytest.approx([0.9, 0.7]) and list(g["n_sglang"]) == [1, 1]
+    c = at[at["system"] == "sglang_cascade"]
+    assert list(zip(c["cascade_impl"], c["decode_plan"])) == [("composed", "fast"), ("multilevel", "flashinfer")]
+    assert [in_sglang.is_current(r) for _, r in c.iterrows()] == [True, False]
+    base = at[at["system"] == "sglang_default"]
+    assert len(base) == 1 and base["decode_plan"].iloc[0] == ""
+    in_sglang.build(results(rows), tmp_path)
+    assert (tmp_path / "figures" / "in_sglang.png").exists()
+
+
+def test_todays_variants_are_the_plugin_systems_configs():
+    import yaml
+    conf = Path(__file__).resolve().parents[1] / "conf" / "system"
+    for name in ("cascade", "hydragen", "granikv"):
+        y = yaml.safe_load((conf / f"sglang_server_{name}.yaml").read_text())
+        assert y["decode_plan"] == in_sglang.VARIANTS["decode_plan"]
+    assert yaml.safe_load((conf / "sglang_server_cascade.yaml").read_text())["cascade_impl"] == \
+        in_sglang.VARIANTS["cascade_impl"]
+
+
 def test_no_cells_is_every_point_not_measured(tmp_path):
     t = in_sglang.build(results([]), tmp_path)
     assert set(t["status"]) == {"not measured"}

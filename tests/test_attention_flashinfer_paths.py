@@ -55,6 +55,67 @@ def test_flashinfer_path_bookkeeping(name, graph, splits, grouped):
         assert len(be._gpu.sets) >= 2         # one wrapper set per graph_key
 
 
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("graph", [False, True])
+def test_fast_decode_plan_replans_every_path_exactly(name, graph):
+    """decode_plan="fast": each decode wrapper's first plan is plan(), every later one FlashInfer's
+    fast_decode_plan (which writes no graph-mode buffer: the stand-in fails if the indptr buffer was not
+    written first, and its kernels read the buffers, so stale indices would show in the output)."""
+    hq, hkv, d = 8, 2, 8
+    kw = dict(device="cpu", dtype=torch.float32, cuda_graph=graph, impl="flashinfer", decode_plan="fast")
+    if name == "granikv":
+        be = DecodeAttention(GranikvPolicy(Dispatcher(hq, hkv, d, "t", MIXED)), hq, hkv, d, **kw)
+    elif name == "cascade_composed":
+        be = DecodeAttention(make_policy("cascade"), hq, hkv, d, cascade_impl="composed", **kw)
+    else:
+        be = DecodeAttention(make_policy(name), hq, hkv, d, **kw)
+    fake_flashinfer.DECODE_WRAPPERS.clear()
+    layouts = [([100], [6], [True], 0), ([4, 100, 100, 60], [2, 1, 4, 5], [True, True, True, False], 2),
+               ([30, 30], [3, 3], [True, False], 1), ([], [], [], 3), ([50], [2], [True], 0)]
+    for rep in range(3):
+        for seed, (lps, sizes, hot, nopfx) in enumerate(layouts):
+            k, v, batch = make_step(seed * 10 + rep, hkv, d, lps, sizes, hot, n_noprefix=nopfx, max_suffix=5)
+            q = torch.randn(batch.batch_size, hq, d)
+            be.plan(batch)
+            ref, _ = R.paged_decode_ref(q, k, v, batch.kv_indptr, batch.kv_indices)
+            assert rel_err(be.run(q, k, v), ref) <= 1e-5, (name, graph, seed, rep)
+    wrappers = fake_flashinfer.DECODE_WRAPPERS
+    if name == "cascade":          # the multilevel wrapper plans its own levels; decode-only steps still replan fast
+        wrappers = [w for w in wrappers if sum(w.plans.values())]
+    assert wrappers and all(w.plans["plan"] == 1 for w in wrappers), [w.plans for w in wrappers]
+    assert sum(w.plans["fast"] for w in wrappers) > 0
+
+
+def test_fast_decode_plan_falls_back_to_plan_without_it(monkeypatch):
+    """A FlashInfer without fast_decode_plan: every step takes plan()."""
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.module(fast_plan=False))
+    be = DecodeAttention(make_policy("dense"), 8, 2, 8, device="cpu", dtype=torch.float32, impl="flashinfer",
+                         decode_plan="fast")
+    fake_flashinfer.DECODE_WRAPPERS.clear()
+    for rep in range(3):
+        k, v, batch = make_step(rep, 2, 8, [50], [4], [True], max_suffix=3)
+        q = torch.randn(batch.batch_size, 8, 8)
+        be.plan(batch)
+        ref, _ = R.paged_decode_ref(q, k, v, batch.kv_indptr, batch.kv_indices)
+        assert rel_err(be.run(q, k, v), ref) <= 1e-5
+    assert [w.plans for w in fake_flashinfer.DECODE_WRAPPERS] == [{"plan": 3, "fast": 0}]
+    assert be._gpu.current.decode_plan == "plan"
+
+
+def test_default_decode_plan_never_takes_the_fast_path():
+    be = DecodeAttention(make_policy("dense"), 8, 2, 8, device="cpu", dtype=torch.float32, impl="flashinfer")
+    fake_flashinfer.DECODE_WRAPPERS.clear()
+    for rep in range(2):
+        k, v, batch = make_step(rep, 2, 8, [50], [4], [True], max_suffix=3)
+        be.plan(batch)
+    assert [w.plans for w in fake_flashinfer.DECODE_WRAPPERS] == [{"plan": 2, "fast": 0}]
+
+
+def test_unknown_decode_plan_names_the_field():
+    with pytest.raises(ValueError, match="decode_plan must be one of"):
+        DecodeAttention(make_policy("dense"), 8, 2, 8, device="cpu", impl="flashinfer", decode_plan="quick")
+
+
 def test_graph_mode_reuses_set_for_same_key():
     be = _make("dense", 8, 2, 8, True)
     k, v, b1 = make_step(1, 2, 8, [50], [4], [True], max_suffix=1)

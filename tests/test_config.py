@@ -174,9 +174,11 @@ def test_unknown_key_is_rejected(hydra_ctx):
                                           ("system.hot_fraction=1.5", "system.hot_fraction"),
                                           ("system.cascade_impl=fast", "system.cascade_impl"),
                                           ("system.cascade_impl=composed", "system.cascade_impl"),
+                                          ("system.decode_plan=quick", "system.decode_plan"),
+                                          ("system=sglang_server system.decode_plan=fast", "system.decode_plan"),
                                           ("hardware.allreduce=mpi", "hardware.allreduce"),
                                           ("hardware.allreduce=symm_one_shot", "hardware.allreduce"),   # CPU
                                           ("hardware.allreduce_symm_max_mib=0", "hardware.allreduce_symm_max_mib")])
 def test_bad_values_name_the_key(hydra_ctx, override, key):
     with pytest.raises(ValueError, match=f"`{key}`"):
-        to_run_config(_compose([override]))
+        to_run_config(_compose(override.split()))

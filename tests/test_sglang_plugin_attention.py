@@ -222,6 +222,8 @@ def test_in_sglang_systems_start_the_plugin(tmp_path, monkeypatch, system, attn,
     assert env.get("GRANIKV_HOT_FRACTION") == (hot or "0.0")
     if attn == "granikv_cascade":      # the engine's SGLang-Cascade GPU path (conf/system/sglang_cascade.yaml)
         assert env["GRANIKV_CASCADE_IMPL"] == "composed" == PluginSettings.from_env(env).cascade_impl
+    # SGLang's own decode re-plan (FlashInfer's fast_decode_plan) on every plugin system
+    assert env["GRANIKV_DECODE_PLAN"] == "fast" == PluginSettings.from_env(env).decode_plan
     assert env["PYTHONPATH"] == "/site:/repo:/ep"
     assert Path(env["GRANIKV_STATS_FILE"]).parent == tmp_path / "plugin_stats"
     # SGLang's own system: no plugin on the path, nothing of granikv in its environment

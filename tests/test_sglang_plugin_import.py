@@ -86,8 +86,11 @@ def test_settings_from_the_environment():
     assert PluginSettings.from_env({"GRANIKV_HOT_FRACTION": "0"}).hot_fraction == 0.0
     assert PluginSettings.from_env({}).cascade_impl == "composed"      # the SGLang-Cascade baseline's GPU path
     assert PluginSettings.from_env({"GRANIKV_CASCADE_IMPL": "multilevel"}).cascade_impl == "multilevel"
+    assert PluginSettings.from_env({}).decode_plan == "fast"
+    assert PluginSettings.from_env({"GRANIKV_DECODE_PLAN": "flashinfer"}).decode_plan == "flashinfer"
     for env in ({"GRANIKV_HOT_FRACTION": "1"}, {"GRANIKV_HOT_FRACTION": "-0.1"}, {"GRANIKV_HOT_FRACTION": "a lot"},
-                {"GRANIKV_PREFIX_LEN": "-1"}, {"GRANIKV_PREFIX_LEN": "1.5"}, {"GRANIKV_CASCADE_IMPL": "fast"}):
+                {"GRANIKV_PREFIX_LEN": "-1"}, {"GRANIKV_PREFIX_LEN": "1.5"}, {"GRANIKV_CASCADE_IMPL": "fast"},
+                {"GRANIKV_DECODE_PLAN": "quick"}):
         with pytest.raises(ValueError, match="GRANIKV_"):
             PluginSettings.from_env(env)
 

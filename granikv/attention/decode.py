@@ -26,7 +26,7 @@ from granikv.attention.flashinfer_ops import use_tensor_cores
 from granikv.attention.gpu_paths import GpuPaths, KernelSpec, rest_bucket
 from granikv.attention.plan import StepPlan, build_plan
 from granikv.attention.policy import POLICIES, PrefixPolicy, make_policy
-from granikv.config import CASCADE_IMPLS
+from granikv.config import CASCADE_IMPLS, DECODE_PLANS
 
 
 class DecodeAttention:
@@ -45,7 +45,7 @@ class DecodeAttention:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  tensor_core_decode: str = "auto", sm_scale: Optional[float] = None, cuda_graph: bool = False,
                  impl: Optional[str] = None, dense_kv_splits: Optional[int] = None,
-                 cascade_impl: str = "multilevel"):
+                 cascade_impl: str = "multilevel", decode_plan: str = "flashinfer"):
         self.policy = policy
         name = policy.name
         if num_q_heads % num_kv_heads:
@@ -66,6 +66,10 @@ class DecodeAttention:
         # (one batch prefill for the common prefix, the tensor-core decode for the rest, merge)
         if cascade_impl not in CASCADE_IMPLS:
             raise ValueError(f"{name}: cascade_impl must be one of {CASCADE_IMPLS}, got {cascade_impl!r}")
+        # FlashInfer path, how a decode wrapper is re-planned each step: "flashinfer" = its plan();
+        # "fast" = FlashInfer's fast_decode_plan after the first plan() (flashinfer_ops.plan_decode)
+        if decode_plan not in DECODE_PLANS:
+            raise ValueError(f"{name}: decode_plan must be one of {DECODE_PLANS}, got {decode_plan!r}")
         self.impl = impl or ("flashinfer" if self.device.type == "cuda" else "torch")
         if self.impl not in ("torch", "flashinfer"):
             raise ValueError(f"{name}: impl must be torch or flashinfer, got {impl!r}")
@@ -79,7 +83,8 @@ class DecodeAttention:
                 num_q_heads, num_kv_heads, head_dim, dtype, self.device, self.sm_scale,
                 tensor_cores=use_tensor_cores(num_q_heads, num_kv_heads, dtype, tensor_core_decode),
                 dense_kv_splits=None if dense_kv_splits is None else int(dense_kv_splits),
-                multilevel_cascade=policy.batch_global and cascade_impl == "multilevel"))
+                multilevel_cascade=policy.batch_global and cascade_impl == "multilevel",
+                fast_decode_plan=decode_plan == "fast"))
 
     @property
     def name(self) -> str:
@@ -186,4 +191,5 @@ def make_backend(system_cfg: Any, num_q_heads: int, num_kv_heads: int, head_dim:
     return DecodeAttention(make_policy(name, dispatcher), num_q_heads, num_kv_heads, head_dim, device=device,
                            dtype=dtype, tensor_core_decode=getattr(system_cfg, "tensor_core_decode", "auto"),
                            cuda_graph=cuda_graph, dense_kv_splits=dense_kv_splits,
-                           cascade_impl=getattr(system_cfg, "cascade_impl", cascade_impl))
+                           cascade_impl=getattr(system_cfg, "cascade_impl", cascade_impl),
+                           decode_plan=getattr(system_cfg, "decode_plan", "flashinfer"))

@@ -80,10 +80,40 @@ def make_decode_wrapper(ws: torch.Tensor, tensor_cores: bool, graph_bufs: Option
 
 
 def plan_decode(wrapper, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, hq: int, hkv: int,
-                d: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, sm_scale: float) -> None:
-    """Plan one decode step, page size 1 (``last_page_len`` all ones [B], int32)."""
+                d: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, sm_scale: float, fast: bool = False) -> str:
+    """Plan one decode step, page size 1: ``indptr`` int32 [B+1] (host), ``indices`` int32 [nnz]
+    (device), ``last_page_len`` int32 [B] all ones (host). Returns which plan ran: ``plan`` or ``fast``.
+
+    ``fast`` (a wrapper's second and later plans): FlashInfer's ``fast_decode_plan``, as SGLang's
+    FlashInfer backend re-plans its graph-mode decode wrappers. It reuses the kernel module the first
+    ``plan()`` picked and takes the host indptr as given, so it skips what ``plan()`` re-derives per
+    step; in FlashInfer 0.6.x that includes the longest KV length, found with Python's builtin ``max()``
+    over a per-request tensor (about a millisecond at B=256). It writes no graph-mode input buffer,
+    so this function copies the indptr and indices into them first (``last_page_len`` stays the ones
+    the buffer was made with). FlashInfer without ``fast_decode_plan``, or a wrapper not yet planned,
+    takes ``plan()``.
+    """
+    f = fi()
+    if fast and getattr(wrapper, "_cached_module", None) is not None and hasattr(f, "fast_decode_plan"):
+        if wrapper.is_cuda_graph_enabled:
+            n = indices.numel()
+            if n > wrapper._paged_kv_indices_buf.numel():
+                raise ValueError(f"decode plan: {n} KV indices exceed the graph-mode buffer "
+                                 f"({wrapper._paged_kv_indices_buf.numel()})")
+            wrapper._paged_kv_indptr_buf.copy_(indptr, non_blocking=True)
+            wrapper._paged_kv_indices_buf[:n].copy_(indices, non_blocking=True)
+            dev_indptr, dev_indices, dev_lpl = (wrapper._paged_kv_indptr_buf, wrapper._paged_kv_indices_buf,
+                                                wrapper._paged_kv_last_page_len_buf)
+        else:
+            dev = indices.device
+            dev_indptr, dev_indices = indptr.to(dev, non_blocking=True), indices
+            dev_lpl = last_page_len.to(dev, non_blocking=True)
+        f.fast_decode_plan(wrapper, dev_indptr, dev_indices, dev_lpl, hq, hkv, d, 1, q_data_type=q_dtype,
+                           kv_data_type=kv_dtype, sm_scale=sm_scale, global_override_indptr_cpu=indptr)
+        return "fast"
     wrapper.plan(indptr, indices, last_page_len, hq, hkv, d, 1, q_data_type=q_dtype, kv_data_type=kv_dtype,
                  sm_scale=sm_scale)
+    return "plan"
 
 
 def make_prefill_paged_wrapper(ws: torch.Tensor, graph_bufs: Optional[dict] = None):

@@ -59,6 +59,7 @@ class KernelSpec:
     tensor_cores: bool                    # decode wrappers' use_tensor_cores (SGLang's rule)
     dense_kv_splits: Optional[int]        # KV chunks of a dense/HydraGen prefix call; None = fill the SMs
     multilevel_cascade: bool              # a split step runs MultiLevelCascadeAttentionWrapper
+    fast_decode_plan: bool = False        # decode re-plans through flashinfer_ops.plan_decode(fast=True)
 
 
 @dataclass(slots=True)
@@ -114,6 +115,7 @@ class WrapperSet:
                              "indices": torch.zeros(nnz, **i32), "last_page_len": torch.ones(n, **i32)}
                 self.prefill = fo.make_prefill_paged_wrapper(self.ws, pbufs)
         self.last_page_len = torch.ones(b, dtype=torch.int32)            # host: FlashInfer's plan reads it on the host
+        self.decode_plan = ""        # which decode plan the last plan() ran: plan | fast ("" before one / multilevel)
         self.rows_buf = torch.zeros(b, dtype=torch.int64, device=dev)     # split classes' rows, class after class
         self.slots_buf: Optional[torch.Tensor] = None                     # hydragen prefix slots
         lp_h = max((c.prefix_len for c in split if c.choice == "hydragen"), default=0)
@@ -144,8 +146,9 @@ class WrapperSet:
                             spec.num_kv_heads, spec.head_dim, spec.sm_scale, spec.dtype, spec.dtype)
             self.segments: list[Segment] = []
             return
-        fo.plan_decode(self.decode, p.rest_indptr_host, p.rest_indices, self.last_page_len[:b], spec.num_q_heads,
-                       spec.num_kv_heads, spec.head_dim, spec.dtype, spec.dtype, spec.sm_scale)
+        self.decode_plan = fo.plan_decode(self.decode, p.rest_indptr_host, p.rest_indices, self.last_page_len[:b],
+                                          spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.dtype,
+                                          spec.sm_scale, fast=spec.fast_decode_plan)
         # rows of the split classes, packed class after class into one persistent buffer, cascade
         # classes first: their rows are then one contiguous view rows_buf[:n_cascade_rows], the same
         # storage at every plan() (a captured graph keeps reading it; the order is fixed by the graph key)

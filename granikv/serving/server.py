@@ -139,6 +139,7 @@ def server_spec(rc: RunConfig) -> ServerSpec:
         paths += [p for p in (os.environ.get(PLUGIN_PATH_ENV) or "").split(os.pathsep) if p]
         env += [("SGLANG_PLUGINS", "granikv"), ("GRANIKV_HOT_FRACTION", repr(float(rc.system.hot_fraction))),
                 ("GRANIKV_HARDWARE", rc.hardware.name), ("GRANIKV_CASCADE_IMPL", rc.system.cascade_impl),
+                ("GRANIKV_DECODE_PLAN", rc.system.decode_plan),
                 ("GRANIKV_STATS_FILE", str(plugin_stats_path(argv)))]
     if paths:
         env.append(("PYTHONPATH", os.pathsep.join(paths)))

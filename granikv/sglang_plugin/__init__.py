@@ -29,6 +29,14 @@ Settings (environment variables of the server, read when the scheduler builds it
 - ``GRANIKV_STATS_FILE`` (default unset): the attention backends write their path counters
   (steps by path, classes and rows by path, host time of the plan and of the dispatcher) there
   as JSON.
+- ``GRANIKV_CASCADE_IMPL`` (default ``composed``): the GPU path of ``granikv_cascade``'s batch-global
+  cascade: ``composed`` (FlashInfer batch prefill over the common prefix + tensor-core decode of the
+  rest + merge, the engine baseline's) or ``multilevel`` (FlashInfer's MultiLevelCascadeAttentionWrapper).
+- ``GRANIKV_DECODE_PLAN`` (default ``fast``): how the three attention backends re-plan FlashInfer's
+  decode wrappers each step: ``fast`` (FlashInfer's ``fast_decode_plan`` after a wrapper's first
+  ``plan()``, as SGLang's own FlashInfer backend re-plans its decode graphs) or ``flashinfer`` (the
+  wrapper's ``plan()`` every step, which in FlashInfer 0.6.x costs about a millisecond per step at
+  B=256 in Python-level work).
 - ``GRANIKV_PREFIX_LEN`` (default 0): the shared-prefix length of a request that names none
   (for a workload whose requests all share one prefix of that many tokens); applies to a
   request whose prompt is at least that long. 0: such requests have no shared prefix.

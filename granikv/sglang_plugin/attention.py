@@ -93,7 +93,7 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
         self.decode = DecodeAttention(make_policy(policy_name, dispatcher), hq, hkv, d, device=model_runner.device,
                                       dtype=model_runner.dtype, sm_scale=mc.head_dim ** -0.5, impl="flashinfer",
                                       cascade_impl=self.settings.cascade_impl if policy_name == "cascade"
-                                      else "multilevel")
+                                      else "multilevel", decode_plan=self.settings.decode_plan)
         self.stats = PathStats(backend_name, policy_name)
         self._writer = StatsWriter(self.settings.stats_file)
         self._staged: Optional[StepPrefixes] = None

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from granikv.config import CASCADE_IMPLS
+from granikv.config import CASCADE_IMPLS, DECODE_PLANS
 
 logger = logging.getLogger(__name__)
 
@@ -18,12 +18,16 @@ ENV_PREFIX_LEN = "GRANIKV_PREFIX_LEN"
 ENV_HARDWARE = "GRANIKV_HARDWARE"
 ENV_STATS_FILE = "GRANIKV_STATS_FILE"
 ENV_CASCADE_IMPL = "GRANIKV_CASCADE_IMPL"
+ENV_DECODE_PLAN = "GRANIKV_DECODE_PLAN"
 PREFIX_PARAM = "granikv_prefix_len"  # the key in a request's sampling_params.custom_params
 
 DEFAULT_HOT_FRACTION = 0.2
 # the batch-global cascade's GPU path: composed, the faster one, is the SGLang-Cascade baseline's
 # (conf/system/sglang_cascade.yaml)
 DEFAULT_CASCADE_IMPL = "composed"
+# how the attention backends re-plan FlashInfer's decode wrappers each step: fast, as SGLang's own
+# FlashInfer backend re-plans its decode graphs (granikv.attention.flashinfer_ops.plan_decode)
+DEFAULT_DECODE_PLAN = "fast"
 
 
 @dataclass(frozen=True)
@@ -36,13 +40,17 @@ class PluginSettings:
     YAML file path. ``stats_file``: where the attention backends write their path counters as
     JSON (empty: not written). ``cascade_impl``: how ``granikv_cascade`` runs its batch-global
     cascade: ``composed`` (FlashInfer batch prefill + tensor-core decode + merge, the default) or
-    ``multilevel`` (FlashInfer's MultiLevelCascadeAttentionWrapper)."""
+    ``multilevel`` (FlashInfer's MultiLevelCascadeAttentionWrapper). ``decode_plan``: how the
+    attention backends re-plan FlashInfer's decode wrappers each step: ``fast`` (FlashInfer's
+    ``fast_decode_plan`` after a wrapper's first ``plan()``, as SGLang's FlashInfer backend does; the
+    default) or ``flashinfer`` (the wrapper's ``plan()`` every step)."""
 
     hot_fraction: float = DEFAULT_HOT_FRACTION
     prefix_len: int = 0
     hardware: str = "auto"
     stats_file: str = ""
     cascade_impl: str = DEFAULT_CASCADE_IMPL
+    decode_plan: str = DEFAULT_DECODE_PLAN
 
     def __post_init__(self):
         if isinstance(self.hot_fraction, bool) or not isinstance(self.hot_fraction, (int, float)) \
@@ -52,6 +60,8 @@ class PluginSettings:
             raise ValueError(f"{ENV_PREFIX_LEN} must be an int >= 0, got {self.prefix_len!r}")
         if self.cascade_impl not in CASCADE_IMPLS:
             raise ValueError(f"{ENV_CASCADE_IMPL} must be one of {CASCADE_IMPLS}, got {self.cascade_impl!r}")
+        if self.decode_plan not in DECODE_PLANS:
+            raise ValueError(f"{ENV_DECODE_PLAN} must be one of {DECODE_PLANS}, got {self.decode_plan!r}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "PluginSettings":
@@ -67,7 +77,8 @@ class PluginSettings:
         except ValueError:
             raise ValueError(f"{ENV_PREFIX_LEN} must be an int >= 0, got {plen!r}") from None
         return cls(hot_fraction, prefix_len, env.get(ENV_HARDWARE, "").strip() or "auto",
-                   env.get(ENV_STATS_FILE, "").strip(), env.get(ENV_CASCADE_IMPL, "").strip() or DEFAULT_CASCADE_IMPL)
+                   env.get(ENV_STATS_FILE, "").strip(), env.get(ENV_CASCADE_IMPL, "").strip() or DEFAULT_CASCADE_IMPL,
+                   env.get(ENV_DECODE_PLAN, "").strip() or DEFAULT_DECODE_PLAN)
 
 
 def shared_prefix_len(custom_params: Any, prompt_len: int, settings: PluginSettings) -> int:
