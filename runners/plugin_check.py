@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -120,7 +121,10 @@ def run_one(rc, fast_start: bool, prompts, prefix_len, out_len, ids, stop: bool)
     if stats_path:
         Path(stats_path).unlink(missing_ok=True)
     pool = srvmod.POOL
+    t0 = time.monotonic()
     srv = pool.acquire(spec)
+    print(f"plugin_check: {rc.system.name} server {'adopted' if srv.adopted else 'started'}, ready after "
+          f"{time.monotonic() - t0:.0f} s", flush=True)
     info = {"argv": list(spec.argv), "env": dict(spec.env), "start_s": srv.started_s, "adopted": srv.adopted}
     try:
         out = asyncio.run(serve(srv.url, prompts, prefix_len, out_len, ids))
@@ -138,7 +142,17 @@ def run_one(rc, fast_start: bool, prompts, prefix_len, out_len, ids, stop: bool)
             pool.close(keep=False)
 
 
+class Interrupted(Exception):
+    """SIGTERM (a time limit's ``timeout``) arrived before the check finished."""
+
+
+def _on_sigterm(signum, frame):
+    raise Interrupted("interrupted by SIGTERM before the check finished (a time limit? a cold server start "
+                      "takes minutes)")
+
+
 def main(argv=None) -> int:
+    signal.signal(signal.SIGTERM, _on_sigterm)   # so the servers it started are stopped and the report written
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--system", default="sglang_server_granikv")

@@ -237,6 +237,46 @@ def test_stop_kills_the_whole_process_group(fake):
         os.killpg(srv.pid, 0)
 
 
+def test_a_server_whose_starter_was_killed_is_recorded_and_stopped_by_the_next_start(fake, monkeypatch):
+    """The starting process dies (SIGKILL: no finally runs) while its server is still starting: the record
+    written at spawn names the orphan, adopting refuses it, and the next start stops it (it would hold
+    the GPU's memory)."""
+    import signal
+    import subprocess
+    import sys
+    from dataclasses import asdict
+    from runners.run import resolve
+    tmp, pool = fake
+    monkeypatch.setenv("FAKE_SGLANG_MODE", "never_healthy")
+    spec = srvmod.server_spec(resolve(to_run_config(cfg_of([*FAKE, "system.server.start_timeout_s=60",
+                                                            f"results_dir={tmp}"]))))
+    code = ("import json, sys; from granikv.serving import server as s; d = json.loads(sys.argv[1]); "
+            "s.SGLangServer.start(s.ServerSpec(tuple(d['argv']), tuple(map(tuple, d['env'])), d['host'], d['port'], "
+            "d['start_timeout_s']))")
+    starter = subprocess.Popen([sys.executable, "-c", code, json.dumps(asdict(spec))], cwd=ROOT, env=os.environ.copy())
+    record = srvmod.state_dir() / f"{spec.key}.json"
+    deadline = time.monotonic() + 20
+    while not record.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert record.exists(), "the server is recorded as soon as it is spawned"
+    st = json.loads(record.read_text())
+    os.kill(starter.pid, signal.SIGKILL)
+    starter.wait()
+    assert st["ready"] is False and srvmod._pid_alive(st["pid"])        # the orphan still runs
+    assert srvmod.SGLangServer.adopt(spec) is None                         # never adopted: it never got ready
+    assert not srvmod._pid_alive(st["pid"]) and not record.exists()
+    # the same orphan, met by a start of another spec: stopped by the pool before it launches
+    starter = subprocess.Popen([sys.executable, "-c", code, json.dumps(asdict(spec))], cwd=ROOT, env=os.environ.copy())
+    deadline = time.monotonic() + 20
+    while not record.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pid = json.loads(record.read_text())["pid"]
+    os.kill(starter.pid, signal.SIGKILL)
+    starter.wait()
+    srvmod.ServerPool()._stop_others()
+    assert not srvmod._pid_alive(pid) and not record.exists()
+
+
 def test_wheel_set_builder_slims_sglang_kernel_and_reads_its_list(tmp_path):
     import importlib.util
     import zipfile

@@ -139,7 +139,10 @@ def server_spec(rc: RunConfig) -> ServerSpec:
         paths += [p for p in (os.environ.get(PLUGIN_PATH_ENV) or "").split(os.pathsep) if p]
         env += [("SGLANG_PLUGINS", "granikv"), ("GRANIKV_HOT_FRACTION", repr(float(rc.system.hot_fraction))),
                 ("GRANIKV_HARDWARE", rc.hardware.name), ("GRANIKV_CASCADE_IMPL", rc.system.cascade_impl),
-                ("GRANIKV_DECODE_PLAN", rc.system.decode_plan),
+                ("GRANIKV_DECODE_PLAN", rc.system.decode_plan), ("GRANIKV_HOT_SPLIT", rc.system.hot_split),
+                ("GRANIKV_HOT_MIN_FRACTION", repr(float(rc.system.hot_min_fraction))),
+                ("GRANIKV_HOT_MAX_FRACTION", repr(float(rc.system.hot_max_fraction))),
+                ("GRANIKV_COLD_WATERMARK", repr(float(rc.system.cold_watermark))),
                 ("GRANIKV_STATS_FILE", str(plugin_stats_path(argv)))]
     if paths:
         env.append(("PYTHONPATH", os.pathsep.join(paths)))
@@ -238,6 +241,11 @@ class SGLangServer:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)
         srv = cls(spec, proc.pid, port, log_path, proc=proc)
+        # recorded at once, not when ready: a process killed while its server starts (a `timeout`
+        # SIGTERM runs no finally) leaves a record, and the next start stops that server by its pid
+        # (ServerPool._stop_others) instead of failing for the GPU memory it holds
+        record = {"pid": srv.pid, "port": port, "key": spec.key, "argv": argv, "log": str(log_path), "ready": False}
+        srv.state_file.write_text(json.dumps(record))
         t0 = time.monotonic()
         try:
             srv.wait_ready(t0 + spec.start_timeout_s)
@@ -245,8 +253,7 @@ class SGLangServer:
             srv.stop()
             raise
         srv.started_s = time.monotonic() - t0
-        srv.state_file.write_text(json.dumps({"pid": srv.pid, "port": port, "key": spec.key, "argv": argv,
-                                              "log": str(log_path), "start_s": srv.started_s}))
+        srv.state_file.write_text(json.dumps({**record, "ready": True, "start_s": srv.started_s}))
         return srv
 
     def wait_ready(self, deadline: float) -> None:
@@ -270,6 +277,9 @@ class SGLangServer:
             return None
         st = json.loads(f.read_text())
         srv = cls(spec, int(st["pid"]), int(st["port"]), Path(st["log"]), adopted=True)
+        if not st.get("ready", True):         # its starter died before it was ready: not ours to trust
+            srv.stop()
+            return None
         srv.started_s = st.get("start_s")     # launch -> healthy, as the process that started it saw it
         if srv.alive() and http_get(srv.url + "/health_generate", timeout=10.0)[0] == 200:
             return srv
