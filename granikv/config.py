@@ -166,9 +166,10 @@ class SystemConfig:
             _need(isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v < 1.0, f"system.{k}",
                   f"must be a number in [0, 1), got {v!r}")
         if self.hot_split == "dynamic":
-            _need(self.engine == "granikv" and self.backend == "granikv", "system.hot_split",
-                  f"dynamic needs engine=granikv and backend=granikv (this system: engine={self.engine}, "
-                  f"backend={self.backend}); set hot_split=static")
+            plugin_cache = self.server is not None and self.server.radix_cache_backend == "granikv"
+            _need(self.backend == "granikv" and (self.engine == "granikv" or plugin_cache), "system.hot_split",
+                  f"dynamic needs backend=granikv in our engine or in a server with the granikv radix cache "
+                  f"(this system: engine={self.engine}, backend={self.backend}); set hot_split=static")
             _need(self.hot_min_fraction <= self.hot_fraction, "system.hot_min_fraction",
                   f"{self.hot_min_fraction} is above hot_fraction={self.hot_fraction} (the split starts at "
                   "hot_fraction); lower hot_min_fraction or raise hot_fraction")

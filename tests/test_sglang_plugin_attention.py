@@ -224,6 +224,14 @@ def test_in_sglang_systems_start_the_plugin(tmp_path, monkeypatch, system, attn,
         assert env["GRANIKV_CASCADE_IMPL"] == "composed" == PluginSettings.from_env(env).cascade_impl
     # SGLang's own decode re-plan (FlashInfer's fast_decode_plan) on every plugin system
     assert env["GRANIKV_DECODE_PLAN"] == "fast" == PluginSettings.from_env(env).decode_plan
+    assert PluginSettings.from_env(env).hot_split == "static"           # the plugin systems' split, as the paper's
+    # a dynamic split reaches the plugin's cache with its bounds
+    if radix:
+        dyn = dict(srvmod.server_spec(cfg([f"system={system}", "system.hot_split=dynamic", "system.hot_max_fraction=0.4",
+                                           "system.cold_watermark=0.1"])).env)
+        got = PluginSettings.from_env(dyn)
+        assert (got.hot_split, got.hot_fraction, got.hot_min_fraction, got.hot_max_fraction, got.cold_watermark) == \
+            ("dynamic", 0.2, 0.0, 0.4, 0.1)
     assert env["PYTHONPATH"] == "/site:/repo:/ep"
     assert Path(env["GRANIKV_STATS_FILE"]).parent == tmp_path / "plugin_stats"
     # SGLang's own system: no plugin on the path, nothing of granikv in its environment

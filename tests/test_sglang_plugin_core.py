@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from granikv.sglang_plugin.hot_region import GONE_ATTR, SLAB_ATTR, HotColdTree, HotRegion
+from granikv.sglang_plugin.settings import PluginSettings
 from test_sglang_plugin_model import ModelAllocator, ModelRadixCache, ModelReq
 
 
@@ -46,7 +47,7 @@ def check(c: ModelRadixCache, running=()):
         assert sum(len(g.value) for g in group) == region.pool._live[start]
     # SGLang's pool check: available + evictable + protected + held by running requests == size
     assert a.available_size() + c.evictable_size() + c.protected_size() + sum(len(p) for p in private) == a.size
-    assert c.evictable_size() == c.hot.cold_evictable(c.root_node)
+    assert c.evictable_size() == c.hot.cold_evictable(c.root_node) + c.hot.shrinkable
     # KV: every cached token's row holds (token, position); so does every running request's row
     stack = [(ch, 0) for ch in c.root_node.children.values()]
     while stack:
@@ -334,10 +335,13 @@ def test_the_core_refuses_to_evict_a_locked_node():
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_random_workload_keeps_every_invariant(seed):
+@pytest.mark.parametrize("split", ["static", "dynamic"])
+def test_random_workload_keeps_every_invariant(seed, split):
     rnd = random.Random(seed)
     a = ModelAllocator(rnd.choice([160, 240]), need_sort=bool(seed % 2))
-    c = ModelRadixCache(a, 16, 128, hot_fraction=rnd.choice([0.15, 0.3]))
+    frac = rnd.choice([0.15, 0.3])
+    c = ModelRadixCache(a, 16, 128, settings=PluginSettings(frac, 0, hot_split=split, hot_min_fraction=0.05,
+                                                            hot_max_fraction=0.6, cold_watermark=0.05))
     prefixes = [toks(1000 * (i + 1), rnd.randint(4, 40)) for i in range(8)]
     running: list[ModelReq] = []
     for step in range(60):
@@ -387,3 +391,95 @@ def test_hot_cold_tree_refuses_a_node_that_does_not_fill_its_slab():
     node.value = torch.arange(1, 4)
     with pytest.raises(ValueError, match="holds 3 slots"):
         t.register(node, slab)
+
+
+# ---------------------------------------------------------------------- the dynamic split
+def dynamic(a, frac=0.1, lo=0.05, hi=0.6, wm=0.05, **kw):
+    return ModelRadixCache(a, 16, 256, settings=PluginSettings(frac, 0, hot_split="dynamic", hot_min_fraction=lo,
+                                                               hot_max_fraction=hi, cold_watermark=wm), **kw)
+
+
+def test_region_grows_only_over_the_allocators_next_free_slots_and_shrinks_only_over_free_ones():
+    a = ModelAllocator(100)
+    r = HotRegion(a, 10)                               # slots 1..10
+    assert r.grow(5) and (r.start, r.end, r.capacity, r.tail_free) == (1, 16, 15, 15)
+    assert a.available_size() == 85
+    held = a.alloc(3)                                  # 16, 17, 18: the rows above HOT are in use
+    assert held.tolist() == [16, 17, 18]
+    assert not r.grow(2) and r.end == 16 and a.available_size() == 82   # refused, the slots went back
+    slab = r.alloc(12)                                 # [1, 13)
+    assert r.tail_free == 3
+    with pytest.raises(ValueError, match="free rows at its end"):
+        r.shrink(4)                                    # would take a slot of the slab
+    assert r.end == 16
+    r.shrink(3)
+    assert (r.end, r.capacity, r.tail_free) == (13, 12, 0) and 13 in a.free_slots().tolist()
+    r.free(slab)
+    r.shrink(12)                                       # down to nothing; it grows again from its start
+    assert r.capacity == 0
+    a2 = ModelAllocator(50)
+    empty = HotRegion(a2, 0)
+    assert empty.grow(4) and (empty.start, empty.end) == (1, 5)
+    with pytest.raises(ValueError, match="positive int"):
+        empty.grow(0)
+
+
+def test_a_prefix_larger_than_the_free_hot_extent_grows_the_region_instead_of_going_cold():
+    a = ModelAllocator(400, need_sort=True)            # freed slots are merged back in order when short
+    c = dynamic(a, frac=0.05)                          # 20 HOT slots: 1..20
+    assert c.region.capacity == 20
+    # the usual case: the request's own prefill took the slots above HOT (SGLang's allocator hands
+    # out the lowest free slots first), so HOT cannot grow: refused, the prefix stays COLD
+    r0 = ModelReq(toks(0, 60) + [7], prefix_len=60)
+    prefill(c, r0)
+    assert c.hot.counts["cold"] == 1 and c.hot.moves == {"grown": 0, "grow_refused": 1, "shrunk": 0}
+    finish(c, r0)
+    c.evict(10_000)                                    # its COLD prefix goes: the slots above HOT are free
+    a.merge_and_sort_free()
+    held = a.alloc(70)                                 # another request holds the slots above HOT ...
+    r = ModelReq(toks(500, 60) + [7], prefix_len=60)
+    c.schedule(r)
+    assert c.extend(r, 61)                             # ... so this one's KV lies above them
+    a.free(held)                                       # it finishes: the slots above HOT are free, first
+    a.merge_and_sort_free()
+    c.cache_unfinished_req(r)
+    assert c.hot.counts["hot"] == 1 and c.hot.moves["grown"] == 40 and c.region.capacity == 60
+    check(c, [r])
+    finish(c, r)
+    check(c)
+    # the same prefix with the static split: no extent, the paged fallback
+    a2 = ModelAllocator(400)
+    c2 = ModelRadixCache(a2, 16, 256, hot_fraction=0.05)
+    r2 = ModelReq(toks(0, 60) + [7], prefix_len=60)
+    prefill(c2, r2)
+    assert c2.hot.counts["cold"] == 1 and c2.region.capacity == 20
+
+
+def test_growth_stops_at_hot_max_and_at_the_cold_watermark():
+    a = ModelAllocator(200)
+    c = dynamic(a, frac=0.05, hi=0.2)                 # 10 HOT slots, at most 40
+    r = ModelReq(toks(0, 50) + [7], prefix_len=50)    # 50 > hot_max: stays COLD, nothing moves
+    prefill(c, r)
+    assert c.hot.counts["cold"] == 1 and c.hot.moves["grown"] == 0 and c.region.capacity == 10
+    check(c, [r])
+    a = ModelAllocator(200)
+    c = dynamic(a, frac=0.05, hi=0.9, wm=0.4)          # growth must leave 2 x 80 COLD slots free
+    r = ModelReq(toks(0, 40) + [7], prefix_len=40)
+    prefill(c, r)
+    assert c.hot.moves["grown"] == 0 and c.hot.counts["cold"] == 1
+
+
+def test_cold_pressure_takes_free_hot_end_slots_before_any_cached_cold_prefix():
+    a = ModelAllocator(200)
+    c = dynamic(a, frac=0.5, lo=0.1, wm=0.02)          # 100 HOT slots, free
+    cold = ModelReq(toks(5000, 30) + [1])             # no named prefix: cached COLD when done
+    prefill(c, cold)
+    finish(c, cold)
+    cached_cold = c.hot.cold_evictable(c.root_node)
+    assert cached_cold > 0
+    assert c.evictable_size() == cached_cold + 80      # HOT may give 100 - hot_min (20) slots
+    big = ModelReq(toks(9000, 120) + [2])
+    prefill(c, big)                                    # needs more than the allocator has free
+    assert c.hot.moves["shrunk"] > 0 and c.hot.cold_evictable(c.root_node) == cached_cold   # COLD kept
+    assert c.region.capacity >= 20
+    check(c, [big])

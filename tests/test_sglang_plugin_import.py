@@ -88,9 +88,13 @@ def test_settings_from_the_environment():
     assert PluginSettings.from_env({"GRANIKV_CASCADE_IMPL": "multilevel"}).cascade_impl == "multilevel"
     assert PluginSettings.from_env({}).decode_plan == "fast"
     assert PluginSettings.from_env({"GRANIKV_DECODE_PLAN": "flashinfer"}).decode_plan == "flashinfer"
+    dyn = PluginSettings.from_env({"GRANIKV_HOT_SPLIT": "dynamic", "GRANIKV_HOT_MAX_FRACTION": "0.6"})
+    assert dyn.split_policy(1000).hot_max == 600 and PluginSettings.from_env({}).split_policy(1000) is None
     for env in ({"GRANIKV_HOT_FRACTION": "1"}, {"GRANIKV_HOT_FRACTION": "-0.1"}, {"GRANIKV_HOT_FRACTION": "a lot"},
                 {"GRANIKV_PREFIX_LEN": "-1"}, {"GRANIKV_PREFIX_LEN": "1.5"}, {"GRANIKV_CASCADE_IMPL": "fast"},
-                {"GRANIKV_DECODE_PLAN": "quick"}):
+                {"GRANIKV_DECODE_PLAN": "quick"}, {"GRANIKV_HOT_SPLIT": "moving"},
+                {"GRANIKV_HOT_SPLIT": "dynamic", "GRANIKV_HOT_MAX_FRACTION": "0.1"},
+                {"GRANIKV_COLD_WATERMARK": "x"}, {"GRANIKV_HOT_MIN_FRACTION": "1.2"}):
         with pytest.raises(ValueError, match="GRANIKV_"):
             PluginSettings.from_env(env)
 

@@ -135,14 +135,15 @@ class ModelRadixCache:
     """RadixCache (page size 1, no EAGLE, no events) with GraniKVRadixCache's hooks and overrides."""
 
     def __init__(self, allocator: ModelAllocator, max_reqs: int, max_len: int, hot_fraction: float = 0.2,
-                 prefix_len: int = 0):
+                 prefix_len: int = 0, settings: PluginSettings | None = None):
         self.allocator = allocator
-        self.settings = PluginSettings(hot_fraction, prefix_len)
+        self.settings = settings or PluginSettings(hot_fraction, prefix_len)
+        hot_fraction = self.settings.hot_fraction
         self.req_to_token = torch.zeros(max_reqs + 1, max_len, dtype=torch.int32)
         self.free_req_slots = list(range(1, max_reqs + 1))
         self.region = HotRegion(allocator, HotRegion.tokens_for(allocator.size, hot_fraction))
         self.hot = HotColdTree(self.region, free_cold=lambda v: allocator.free_segment(v, start_pos=0),
-                               delete_leaf=self._delete_leaf)
+                               delete_leaf=self._delete_leaf, split=self.settings.split_policy(allocator.size))
         self.evictable_leaves = set()
         self._hot_len = 0
         self.reset()
@@ -276,13 +277,14 @@ class ModelRadixCache:
         self.evictable_leaves.add(node)
 
     def evict(self, num_tokens):  # GraniKVRadixCache.evict
-        return self.hot.evict_cold(num_tokens, list(self.evictable_leaves), self.root_node)
+        given = self.hot.relieve(num_tokens)
+        return given + self.hot.evict_cold(num_tokens - given, list(self.evictable_leaves), self.root_node)
 
     def evictable_size(self):  # GraniKVRadixCache.evictable_size
-        return self.evictable_size_ - self.hot.hot_evictable
+        return self.evictable_size_ - self.hot.hot_evictable + self.hot.shrinkable
 
     def protected_size(self):  # GraniKVRadixCache.protected_size
-        return self.protected_size_ - self.hot.hot_locked + self.region.capacity
+        return self.protected_size_ - self.hot.hot_locked + self.region.capacity - self.hot.shrinkable
 
     # -------------------------------------------------- requests (the scheduler's side)
     def _prefix_len(self, req):

@@ -58,8 +58,11 @@ class Req:
 class Server:
     """SGLang's pools and the granikv cache, built as kv_cache_builder builds them."""
 
-    def __init__(self, size=200, hot_fraction=0.25, max_reqs=8, max_len=256, need_sort=False, monkeypatch=None):
+    def __init__(self, size=200, hot_fraction=0.25, max_reqs=8, max_len=256, need_sort=False, monkeypatch=None,
+                 env=None):
         monkeypatch.setenv("GRANIKV_HOT_FRACTION", str(hot_fraction))
+        for k, v in (env or {}).items():
+            monkeypatch.setenv(k, v)
         self.kv = MHATokenToKVPool(size, 1, torch.float32, 1, 2, 2, "cpu", False)
         self.alloc = TokenToKVPoolAllocator(size, torch.float32, "cpu", self.kv, need_sort)
         self.r2t = ReqToTokenPool(max_reqs, max_len, "cpu", False)
@@ -219,6 +222,28 @@ def test_cold_pressure_never_gives_hot_slots_to_the_allocator(monkeypatch):
     want = s.cache.evictable_size()
     assert s.cache.evict(EvictParams(num_tokens=want)).num_tokens_evicted == want
     assert s.cache.evictable_size() == 0
+    s.check()
+
+
+def test_dynamic_split_gives_free_hot_end_slots_to_cold_pressure_first(monkeypatch):
+    """On SGLang's own allocator and radix cache: with GRANIKV_HOT_SPLIT=dynamic a COLD shortfall is met
+    with free slots from HOT's end (down to its minimum) before any cached COLD prefix is evicted, and
+    SGLang's pool check holds throughout."""
+    s = Server(size=200, hot_fraction=0.5, monkeypatch=monkeypatch,
+               env={"GRANIKV_HOT_SPLIT": "dynamic", "GRANIKV_HOT_MIN_FRACTION": "0.1", "GRANIKV_COLD_WATERMARK": "0.02"})
+    assert s.cache.region.capacity == 100 and s.cache.hot.split is not None
+    r0 = Req(toks(500, 30) + [1])
+    s.prefill(r0)
+    s.finish(r0, out=0)
+    cached = s.cache.evictable_size_
+    assert s.cache.evictable_size() == cached + 80
+    s.check()
+    big = Req(toks(900, 120) + [2])
+    s.prefill(big)
+    assert s.cache.hot.moves["shrunk"] > 0 and s.cache.region.capacity >= 20
+    assert s.cache.evictable_size_ == cached                   # the cached COLD prefix stayed
+    s.check()
+    s.finish(big, out=1)
     s.check()
 
 

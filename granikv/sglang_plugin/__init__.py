@@ -37,6 +37,16 @@ Settings (environment variables of the server, read when the scheduler builds it
   ``plan()``, as SGLang's own FlashInfer backend re-plans its decode graphs) or ``flashinfer`` (the
   wrapper's ``plan()`` every step, which in FlashInfer 0.6.x costs about a millisecond per step at
   B=256 in Python-level work).
+- ``GRANIKV_HOT_SPLIT`` (default ``static``): ``dynamic`` lets the HOT region move between
+  ``GRANIKV_HOT_MIN_FRACTION`` (0.0) and ``GRANIKV_HOT_MAX_FRACTION`` (0.5) of the pool, by the rules
+  of :class:`granikv.kv.SplitPolicy`: under COLD pressure (SGLang's ``evict`` for an allocation's
+  shortfall) it gives free slots at its end to the allocator before a cached COLD prefix is
+  evicted, keeping ``GRANIKV_COLD_WATERMARK`` (0.05) of the pool free; on a HOT miss it grows into
+  the slots just above it, but only when they are the allocator's next free slots. SGLang's
+  allocator (``TokenToKVPoolAllocator.alloc`` / ``free`` in ``mem_cache/allocator/token.py``) hands
+  out the lowest slots of its free list first and appends freed ones, so those slots are usually a
+  running request's: growth is rare (counted as ``grow_refused``), and making it reliable would need
+  an allocator that keeps them free, which SGLang has no extension point for.
 - ``GRANIKV_PREFIX_LEN`` (default 0): the shared-prefix length of a request that names none
   (for a workload whose requests all share one prefix of that many tokens); applies to a
   request whose prompt is at least that long. 0: such requests have no shared prefix.

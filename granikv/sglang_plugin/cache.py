@@ -70,7 +70,7 @@ class GraniKVRadixCache(RadixCache):
         self._hot_len = 0  # the shared-prefix length of the request being cached (0: none)
         self.region = HotRegion(alloc, HotRegion.tokens_for(alloc.size, settings.hot_fraction))
         self.hot = HotColdTree(self.region, free_cold=lambda v: alloc.free_segment(v, start_pos=0),
-                               delete_leaf=self._evict_leaf)
+                               delete_leaf=self._evict_leaf, split=settings.split_policy(alloc.size))
         super().__init__(params)  # calls self.reset()
         orig_clear = alloc.clear
 
@@ -79,8 +79,8 @@ class GraniKVRadixCache(RadixCache):
             self.region.recarve_after_clear(HotRegion.tokens_for(alloc.size, self.settings.hot_fraction))
 
         alloc.clear = clear
-        logger.info("granikv radix cache: HOT region slots [%d, %d) of %d (hot_fraction=%s)",
-                    self.region.start, self.region.end, alloc.size, settings.hot_fraction)
+        logger.info("granikv radix cache: HOT region slots [%d, %d) of %d (hot_fraction=%s, %s split)",
+                    self.region.start, self.region.end, alloc.size, settings.hot_fraction, settings.hot_split)
 
     # ------------------------------------------------------------------ structure
     def reset(self):
@@ -148,8 +148,9 @@ class GraniKVRadixCache(RadixCache):
         if self.disable:
             return EvictResult()
         start = time.perf_counter()
-        n = self.hot.evict_cold(params.num_tokens, list(self.evictable_leaves), self.root_node,
-                                priority=self.eviction_strategy.get_priority)
+        given = self.hot.relieve(params.num_tokens)     # dynamic split: free HOT end slots first
+        n = given + self.hot.evict_cold(params.num_tokens - given, list(self.evictable_leaves), self.root_node,
+                                        priority=self.eviction_strategy.get_priority)
         self.update_eviction_metrics(n, start)
         return EvictResult(num_tokens_evicted=n)
 
@@ -166,12 +167,13 @@ class GraniKVRadixCache(RadixCache):
     # ------------------------------------------------------------------ accounting
     # SGLang's check: allocator.available_size() + evictable_size() + protected_size() (+ what
     # running requests hold) == the pool's size. Evicting a HOT slab frees no allocator slot,
-    # so only COLD tokens are evictable; the HOT region, used or free, counts as protected.
+    # so only COLD tokens are evictable; the HOT region, used or free, counts as protected, but
+    # for the free slots at its end a dynamic split would give the allocator (``evict`` does).
     def evictable_size(self):
-        return self.evictable_size_ - self.hot.hot_evictable
+        return self.evictable_size_ - self.hot.hot_evictable + self.hot.shrinkable
 
     def protected_size(self):
-        return self.protected_size_ - self.hot.hot_locked + self.region.capacity
+        return self.protected_size_ - self.hot.hot_locked + self.region.capacity - self.hot.shrinkable
 
     def slab_table(self, device: Any = None):
         """The live slab table ``(start, length, slab_id)`` for the attention backend."""

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import torch
 
 from granikv.kv.hot_pool import HotPool, Slab
+from granikv.kv.split_policy import SplitPolicy
 
 SLAB_ATTR = "granikv_slab"
 GONE_ATTR = "granikv_evicted"  # set on a node once this core evicted it
@@ -139,6 +140,46 @@ class HotRegion:
     def used_tokens(self) -> int:
         return self.pool.used_tokens
 
+    @property
+    def tail_free(self) -> int:
+        """Free slots at the region's end (what a shrink can give back)."""
+        return self.pool.tail_free
+
+    # ------------------------------------------------------------------ a moving end (dynamic split)
+    def grow(self, n: int) -> bool:
+        """Take the ``n`` slots just above the region from the allocator; True when done.
+
+        Only when the allocator's next ``n`` free slots are exactly ``[end, end + n)``: SGLang's
+        allocator hands out the head of its free list, which is ascending after a merge, so the rows
+        above HOT come first when they are free and nothing below them is. Otherwise the slots go
+        straight back and nothing changes (choosing them would need the allocator's private free
+        list). An empty region grows from slot 1, SGLang's first."""
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise ValueError(f"HotRegion.grow(n): n must be a positive int, got {n!r}")
+        if self.allocator.available_size() < n:
+            return False
+        base = self.end if self.capacity else max(self.start, 1)
+        ids = self.allocator.alloc(n)
+        if ids is None:
+            return False
+        ids = ids.to(torch.int64)
+        if ids.numel() != n or not torch.equal(ids.cpu(), torch.arange(base, base + n)):
+            self.allocator.free(ids)
+            return False
+        if not self.capacity:
+            self.start = self.end = base
+            self.pool = HotPool(0, offset=base)
+        self.pool.grow(n)
+        self.end += n
+        return True
+
+    def shrink(self, n: int) -> None:
+        """Give the region's last ``n`` slots back to the allocator; they must be free (no slab
+        moves or loses a slot: ``HotPool.shrink`` refuses otherwise, changing nothing)."""
+        self.pool.shrink(n)
+        self.allocator.free(torch.arange(self.end - n, self.end, dtype=torch.int64))
+        self.end -= n
+
     def slots(self) -> torch.Tensor:
         """Every slot id of the region, ``[capacity]`` int64."""
         return torch.arange(self.start, self.end, dtype=torch.int64)
@@ -198,8 +239,10 @@ class HotColdTree:
     """
 
     def __init__(self, region: HotRegion, free_cold: Callable[[torch.Tensor], None],
-                 delete_leaf: Callable[[Any], None]):
+                 delete_leaf: Callable[[Any], None], split: SplitPolicy | None = None):
         self.region = region
+        self.split = split   # None: the static split (the region keeps its size)
+        self.moves = {"grown": 0, "grow_refused": 0, "shrunk": 0}   # dynamic split: slots moved, refusals
         self._free_cold = free_cold
         self._delete_leaf = delete_leaf
         self._bottom: dict[int, Any] = {}  # slab start -> the lowest node holding its slots
@@ -276,14 +319,53 @@ class HotColdTree:
 
     # ------------------------------------------------------------------ admission
     def alloc_slab(self, n: int) -> Slab | None:
-        """HOT-first: a free extent of ``n`` slots, else one made by evicting unlocked slabs whole;
-        None when neither can be had (the caller leaves the prefix COLD)."""
-        if self.region.capacity == 0 or n > self.region.capacity:
+        """HOT-first: a free extent of ``n`` slots; else, with a dynamic split, one made by growing
+        the region into the free slots above it (``split.grow_by``: tried first, it keeps every
+        cached slab); else one made by evicting unlocked slabs whole; None when none can be had
+        (the caller leaves the prefix COLD)."""
+        room = self.split.hot_max if self.split is not None else self.region.capacity
+        if room == 0 or n > room:
             return None
         slab = self.region.alloc(n)
-        if slab is None and self.evict_hot_extent(n) > 0:
+        if slab is None and self.split is not None and self._grow_for(n):
+            slab = self.region.alloc(n)
+        if slab is None and n <= self.region.capacity and self.evict_hot_extent(n) > 0:
             slab = self.region.alloc(n)
         return slab
+
+    def _grow_for(self, n: int) -> bool:
+        r = self.region
+        d = self.split.grow_by(n, r.capacity, r.tail_free, r.allocator.available_size(), cold_head_free=n)
+        if d <= 0:
+            return False
+        if not r.grow(d):              # the slots above HOT were not the allocator's next free ones
+            self.moves["grow_refused"] += 1
+            return False
+        self.moves["grown"] += d
+        return True
+
+    # ------------------------------------------------------------------ COLD pressure (dynamic split)
+    @property
+    def shrinkable(self) -> int:
+        """Free HOT slots a shrink could give the allocator now (0 with the static split)."""
+        if self.split is None:
+            return 0
+        return max(0, min(self.region.tail_free, self.region.capacity - self.split.hot_min))
+
+    def relieve(self, shortfall: int) -> int:
+        """The allocator is ``shortfall`` slots short of an allocation: give it free slots at HOT's
+        end (``split.shrink_by``: enough for the allocation and the COLD watermark, never a slot in
+        use, never below ``hot_min``), before any cached COLD prefix is evicted. Returns the slots
+        given (0 with the static split)."""
+        if self.split is None or shortfall <= 0:
+            return 0
+        r = self.region
+        avail = r.allocator.available_size()
+        k = self.split.shrink_by(shortfall + avail, r.capacity, r.tail_free, avail)
+        if k > 0:
+            r.shrink(k)
+            self.moves["shrunk"] += k
+        return k
 
     def admit_prefix(self, key: Sequence, value: torch.Tensor, n: int, *,
                      match: Callable[[Sequence], tuple[torch.Tensor, Any]],

@@ -19,6 +19,10 @@ ENV_HARDWARE = "GRANIKV_HARDWARE"
 ENV_STATS_FILE = "GRANIKV_STATS_FILE"
 ENV_CASCADE_IMPL = "GRANIKV_CASCADE_IMPL"
 ENV_DECODE_PLAN = "GRANIKV_DECODE_PLAN"
+ENV_HOT_SPLIT = "GRANIKV_HOT_SPLIT"
+ENV_HOT_MIN_FRACTION = "GRANIKV_HOT_MIN_FRACTION"
+ENV_HOT_MAX_FRACTION = "GRANIKV_HOT_MAX_FRACTION"
+ENV_COLD_WATERMARK = "GRANIKV_COLD_WATERMARK"
 PREFIX_PARAM = "granikv_prefix_len"  # the key in a request's sampling_params.custom_params
 
 DEFAULT_HOT_FRACTION = 0.2
@@ -43,7 +47,11 @@ class PluginSettings:
     ``multilevel`` (FlashInfer's MultiLevelCascadeAttentionWrapper). ``decode_plan``: how the
     attention backends re-plan FlashInfer's decode wrappers each step: ``fast`` (FlashInfer's
     ``fast_decode_plan`` after a wrapper's first ``plan()``, as SGLang's FlashInfer backend does; the
-    default) or ``flashinfer`` (the wrapper's ``plan()`` every step)."""
+    default) or ``flashinfer`` (the wrapper's ``plan()`` every step). ``hot_split``: ``static`` (the
+    HOT region keeps ``hot_fraction`` of the pool) or ``dynamic`` (it grows into free slots above it
+    on a HOT miss and gives free slots at its end back under COLD pressure, between
+    ``hot_min_fraction`` and ``hot_max_fraction`` of the pool, keeping ``cold_watermark`` of it free
+    for COLD; the rules of :class:`granikv.kv.SplitPolicy`, as in the engine)."""
 
     hot_fraction: float = DEFAULT_HOT_FRACTION
     prefix_len: int = 0
@@ -51,6 +59,10 @@ class PluginSettings:
     stats_file: str = ""
     cascade_impl: str = DEFAULT_CASCADE_IMPL
     decode_plan: str = DEFAULT_DECODE_PLAN
+    hot_split: str = "static"
+    hot_min_fraction: float = 0.0
+    hot_max_fraction: float = 0.5
+    cold_watermark: float = 0.05
 
     def __post_init__(self):
         if isinstance(self.hot_fraction, bool) or not isinstance(self.hot_fraction, (int, float)) \
@@ -62,6 +74,25 @@ class PluginSettings:
             raise ValueError(f"{ENV_CASCADE_IMPL} must be one of {CASCADE_IMPLS}, got {self.cascade_impl!r}")
         if self.decode_plan not in DECODE_PLANS:
             raise ValueError(f"{ENV_DECODE_PLAN} must be one of {DECODE_PLANS}, got {self.decode_plan!r}")
+        if self.hot_split not in ("static", "dynamic"):
+            raise ValueError(f"{ENV_HOT_SPLIT} must be static or dynamic, got {self.hot_split!r}")
+        for env, v in ((ENV_HOT_MIN_FRACTION, self.hot_min_fraction), (ENV_HOT_MAX_FRACTION, self.hot_max_fraction),
+                       (ENV_COLD_WATERMARK, self.cold_watermark)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= float(v) < 1.0:
+                raise ValueError(f"{env} must be a number in [0, 1), got {v!r}")
+        if self.hot_split == "dynamic" and not self.hot_min_fraction <= self.hot_fraction <= self.hot_max_fraction:
+            raise ValueError(f"{ENV_HOT_SPLIT}=dynamic needs {ENV_HOT_MIN_FRACTION} <= {ENV_HOT_FRACTION} <= "
+                             f"{ENV_HOT_MAX_FRACTION}, got {self.hot_min_fraction}, {self.hot_fraction}, "
+                             f"{self.hot_max_fraction}")
+
+    def split_policy(self, pool_size: int):
+        """The dynamic split's :class:`granikv.kv.SplitPolicy` over a pool of ``pool_size`` slots
+        (None with the static split)."""
+        if self.hot_split != "dynamic":
+            return None
+        from granikv.kv.split_policy import SplitPolicy
+        return SplitPolicy.from_fractions(pool_size, self.hot_fraction, self.hot_min_fraction,
+                                          self.hot_max_fraction, self.cold_watermark)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "PluginSettings":
@@ -76,9 +107,19 @@ class PluginSettings:
             prefix_len = int(plen) if plen else 0
         except ValueError:
             raise ValueError(f"{ENV_PREFIX_LEN} must be an int >= 0, got {plen!r}") from None
+        fractions = {}
+        for key, name, default in ((ENV_HOT_MIN_FRACTION, "hot_min_fraction", 0.0),
+                                   (ENV_HOT_MAX_FRACTION, "hot_max_fraction", 0.5),
+                                   (ENV_COLD_WATERMARK, "cold_watermark", 0.05)):
+            raw = env.get(key, "").strip()
+            try:
+                fractions[name] = float(raw) if raw else default
+            except ValueError:
+                raise ValueError(f"{key} must be a number in [0, 1), got {raw!r}") from None
         return cls(hot_fraction, prefix_len, env.get(ENV_HARDWARE, "").strip() or "auto",
                    env.get(ENV_STATS_FILE, "").strip(), env.get(ENV_CASCADE_IMPL, "").strip() or DEFAULT_CASCADE_IMPL,
-                   env.get(ENV_DECODE_PLAN, "").strip() or DEFAULT_DECODE_PLAN)
+                   env.get(ENV_DECODE_PLAN, "").strip() or DEFAULT_DECODE_PLAN,
+                   env.get(ENV_HOT_SPLIT, "").strip() or "static", **fractions)
 
 
 def shared_prefix_len(custom_params: Any, prompt_len: int, settings: PluginSettings) -> int:
