@@ -207,9 +207,12 @@ class Context:
 
     def frame(self, name: str) -> pd.DataFrame:
         if name not in self._frames:
-            if name == "cells":  # serving cells without profiler / nsys instrumentation
+            if name == "cells":  # serving cells without profiler / nsys instrumentation; the plugin's
+                # cells with today's settings where a configuration has them (in_sglang.prefer_current)
+                from analysis.in_sglang import prefer_current
                 df = with_dispatch(self.res.cells)
                 df = select(df, {"kind": "=serving", "instrumented": "=False"}) if not df.empty else df
+                df = prefer_current(df, self.res.config_columns)
             elif name == "kernels":
                 from analysis.kernel import kernel_frame
                 df = kernel_frame(self.res)

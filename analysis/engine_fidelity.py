@@ -25,6 +25,7 @@ import pandas as pd
 from analysis.common import (LPS, NOT_MEASURED, THROUGHPUT, aggregate, save_figure, select, sort_rows, with_derived,
                              write_table)
 from analysis.load import Results
+from analysis.in_sglang import plugin_counters as in_sglang_counters, prefer_current
 from granikv.rawio import read_jsonl
 from analysis.plots import gpu_names, lp_axis, system_colors, title_of
 
@@ -64,7 +65,8 @@ def fidelity_table(res: Results, model: str = MODEL) -> pd.DataFrame:
     missing = [{**dict(zip(KEYS, k)), "n_real": 0, "status": NOT_MEASURED} for k in EXPECTED] if model == MODEL else []
     if cells.empty:
         return pd.DataFrame(missing, columns=cols)
-    df = select(with_derived(cells), {**SELECT, "model.name": f"={model}"})
+    # the plugin's cells with today's settings where a point has them (never pooled across settings)
+    df = select(prefer_current(with_derived(cells), res.config_columns), {**SELECT, "model.name": f"={model}"})
     df = df[df["system"].isin((REAL, OURS, GRANIKV, PLUGIN))]
     if df.empty or not (df["system"] == REAL).any():
         return pd.DataFrame(missing, columns=cols)
@@ -105,22 +107,14 @@ def fidelity_table(res: Results, model: str = MODEL) -> pd.DataFrame:
 
 
 def plugin_counters(df: pd.DataFrame, key: tuple) -> dict:
-    """The plugin's own counters over its cells of ``key`` (metrics.json ``plugin``, the measured window,
-    flattened by the loader as ``plugin.*``): the share of decode rows whose prefix went dense, and host
-    microseconds per planned step (the whole plan, and the dispatcher's choices alone). NaN where no
-    plugin cell exists."""
+    """The plugin's own counters over its cells of ``key`` (analysis.in_sglang.plugin_counters): the
+    share of decode rows whose prefix went dense, and host microseconds per planned step (the whole
+    plan, and the dispatcher's choices alone). NaN where no plugin cell recorded them."""
     rows = df[(df["system"] == PLUGIN)]
     for k, v in zip(KEYS, key):
         rows = rows[rows[k] == v]
-
-    def total(col: str) -> float:
-        return float(rows[col].fillna(0).sum()) if col in rows.columns else 0.0
-
-    by_path = sum(total(f"plugin.rows.{p}") for p in ("paged", "cascade", "dense", "hydragen"))
-    steps = total("plugin.split_steps")
-    return {"plugin_dense_rows": total("plugin.rows.dense") / by_path if by_path else np.nan,
-            "plugin_plan_us": total("plugin.plan_us") / steps if steps else np.nan,
-            "plugin_dispatch_us": total("plugin.dispatch_us") / steps if steps else np.nan}
+    c = in_sglang_counters(rows)
+    return {"plugin_dense_rows": c["rows_dense"], "plugin_plan_us": c["plan_us"], "plugin_dispatch_us": c["dispatch_us"]}
 
 
 def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:

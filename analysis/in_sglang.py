@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.common import (NOT_MEASURED, THROUGHPUT, aggregate, placeholder_figure, plt, save_figure, select,
-                             sort_rows, with_derived, write_table)
+from analysis.common import (NOT_MEASURED, NULL, THROUGHPUT, aggregate, identity, placeholder_figure, plt, save_figure,
+                             select, sort_rows, with_derived, write_table)
 from analysis.load import Results
 from analysis.plots import gpu_names, lp_axis, mark_paper, paper_claims, system_colors, title_of
 
@@ -139,6 +139,30 @@ def variants(ours: pd.DataFrame, paper: str) -> list[tuple[dict, pd.DataFrame]]:
     return out
 
 
+def prefer_current(cells: pd.DataFrame, config_cols) -> pd.DataFrame:
+    """``cells`` without the in-SGLang plugin cells that ran with other plugin settings (VARIANTS)
+    than today's, where the same configuration otherwise (every identity column but those settings)
+    has a cell with today's: the claims measure today's plugin, and never pool across its settings.
+    A configuration measured only with older settings keeps its cells (the table names them)."""
+    if cells.empty or "system.name" not in cells.columns:
+        return cells
+    systems = cells["system.name"].astype(str)
+    plug = systems.isin([s for p, (s, _) in SYSTEMS.items() if p != BASE])
+    var_cols = [f"system.{k}" for k in VARIANTS if f"system.{k}" in cells.columns]
+    if not plug.any() or not var_cols:
+        return cells
+    current = pd.Series(True, index=cells.index)
+    for k, today in VARIANTS.items():
+        col = f"system.{k}"
+        if col in cells.columns:
+            applies = systems == SYSTEMS["sglang_cascade"][0] if k == "cascade_impl" else pd.Series(True, index=cells.index)
+            current &= ~applies | (cells[col].astype(str) == today)
+    keys = [c for c in identity(cells, config_cols) if c not in var_cols]
+    group = cells[keys].astype(object).where(cells[keys].notna(), NULL).astype(str).agg("|".join, axis=1)
+    with_current = set(group[plug & current])
+    return cells[~(plug & ~current & group.isin(with_current))]
+
+
 def is_current(row: pd.Series) -> bool:
     """Whether a table row ran with today's plugin settings (VARIANTS; "" = does not apply)."""
     return all(row[k] in ("", v) for k, v in VARIANTS.items())
@@ -234,10 +258,12 @@ def prefilled_tokens(res: Results, path: str) -> float:
 def claim_line(res: Results, claim: pd.Series) -> str:
     """Why an in-SGLang claim lands where it does, from its own cells: the claim's system against its
     baseline system at the claim's point (ITL and TTFT p50, prompt tokens prefilled), and the plugin's
-    counters (dense-row share, host plan per planned step). Empty where a side has no cell."""
+    counters (dense-row share, host plan per planned step), and the cells of the claim's system that
+    ran with earlier plugin settings, which the claim does not use. Empty where a side has no cell."""
     from analysis.common import parse_selectors
     sel, base = parse_selectors(claim["selectors"]), parse_selectors(claim["baseline"])
-    cells = with_derived(res.cells) if not res.cells.empty else res.cells
+    every = with_derived(res.cells) if not res.cells.empty else res.cells
+    cells = prefer_current(every, res.config_columns) if not res.cells.empty else res.cells
     mine = select(cells, {**sel, "instrumented": "=False"}) if not cells.empty else cells
     theirs = select(cells, {**sel, **base, "instrumented": "=False"}) if not cells.empty else cells
     if mine.empty or theirs.empty:
@@ -257,4 +283,13 @@ def claim_line(res: Results, claim: pd.Series) -> str:
     if np.isfinite(pc["plan_us"]):
         shares = ", ".join(f"{pc[f'rows_{p}']:.1%} {p}" for p in PATHS if pc[f"rows_{p}"] > 0)
         line += f"; the plugin's decode rows: {shares}, host plan {pc['plan_us']:.0f} us per planned step"
+    older = select(every, {**sel, "instrumented": "=False"})
+    older = older[~older.index.isin(mine.index)]
+    if not older.empty:
+        real = avg(theirs, THROUGHPUT)
+        paper = next((p for p, (s_, _) in SYSTEMS.items() if s_ == a), BASE)
+        keys = [f"system.{k}" for k in variant_keys(paper) if f"system.{k}" in older.columns]
+        said = [f"{', '.join(f'{k[7:]}={r[k]}' for k in keys if r[k] not in ('', None) and r[k] == r[k])}: "
+                f"{r[THROUGHPUT]:.0f} tok/s ({r[THROUGHPUT] / real:.2f}x)" for _, r in older.iterrows()]
+        line += "; not used, measured with earlier plugin settings: " + "; ".join(said)
     return line + " (tables/in_sglang)."

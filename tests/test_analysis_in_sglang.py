@@ -88,6 +88,35 @@ def test_decode_plan_splits_rows_todays_setting_first(tmp_path):
     assert (tmp_path / "figures" / "in_sglang.png").exists()
 
 
+def test_claims_use_todays_plugin_settings_where_a_configuration_has_them():
+    cols = ["model.name", "tp", "workload.batch", "workload.kind", "workload.num_prefixes", "hardware.name",
+            "workload.prefix_lens", "system.name", "workload.prefix_len", "rep", "system.decode_plan",
+            "system.cascade_impl"]
+    rows = [cell(HEAD, "sglang_server", 16384, 2500),
+            {**cell(HEAD, "sglang_server_granikv", 16384, 5000), "system.decode_plan": "flashinfer"},
+            {**cell(HEAD, "sglang_server_granikv", 16384, 4000), "system.decode_plan": "fast"},
+            {**cell(HEAD, "sglang_server_granikv", 8192, 4600), "system.decode_plan": "flashinfer"},
+            {**cell(HEAD, "sglang_server_cascade", 16384, 3500), "system.decode_plan": "flashinfer",
+             "system.cascade_impl": "multilevel"},
+            {**cell(HEAD, "sglang_server_cascade", 16384, 4200), "system.decode_plan": "fast",
+             "system.cascade_impl": "composed"},
+            {**cell(HEAD, "sglang_server_hydragen", 16384, 4100), "system.decode_plan": "flashinfer",
+             "system.cascade_impl": "multilevel"}]
+    df = pd.DataFrame(rows)
+    kept = in_sglang.prefer_current(df, cols)
+    tok = kept.groupby(["system.name", "workload.prefix_len"])["output_throughput_tok_s"].apply(list).to_dict()
+    assert tok[("sglang_server_granikv", 16384)] == [4000]          # today's (fast) only: never pooled
+    assert tok[("sglang_server_granikv", 8192)] == [4600]           # only older settings measured: kept
+    assert tok[("sglang_server_cascade", 16384)] == [4200]
+    assert tok[("sglang_server_hydragen", 16384)] == [4100] and tok[("sglang_server", 16384)] == [2500]
+    # the claims' cells frame goes through it
+    from analysis.claims import Context
+    res = Results(root=Path("."), cells=df.assign(kind="serving"), failures=pd.DataFrame(), kernels=pd.DataFrame(),
+                  config_columns=cols)
+    got = Context(res).frame("cells")
+    assert sorted(got.loc[got["system.name"] == "sglang_server_granikv", "output_throughput_tok_s"]) == [4000, 4600]
+
+
 def test_todays_variants_are_the_plugin_systems_configs():
     import yaml
     conf = Path(__file__).resolve().parents[1] / "conf" / "system"
@@ -114,3 +143,18 @@ def test_the_claim_line_names_both_systems_and_the_plugin_counters():
     assert "sglang_server_granikv against sglang_server" in line and "ITL p50 2.0 vs 2.5 ms" in line
     assert "100.0% dense" in line and "host plan 1000 us" in line and "not logged" in line
     assert in_sglang.claim_line(results(rows[:1]), claim) == ""          # no cell of the claim's system
+
+
+def test_the_claim_line_names_the_cells_with_earlier_settings_it_leaves_out():
+    rows = [cell(HEAD, "sglang_server", 16384, 2500),
+            {**cell(HEAD, "sglang_server_granikv", 16384, 4000), "system.decode_plan": "fast"},
+            {**cell(HEAD, "sglang_server_granikv", 16384, 5000), "system.decode_plan": "flashinfer"}]
+    cols = list(pd.DataFrame(rows).columns)
+    res = Results(root=Path("."), cells=pd.DataFrame(rows), failures=pd.DataFrame(), kernels=pd.DataFrame(),
+                  config_columns=[c for c in cols if c.startswith(("system.", "workload.", "model.", "hardware.", "tp"))])
+    claim = pd.Series({"selectors": "workload.kind=sharegpt;workload.prefix_len=16384;system.name=sglang_server_granikv",
+                       "baseline": "system.name=sglang_server"})
+    line = in_sglang.claim_line(res, claim)
+    assert "ITL p50 2.5 vs 4.0 ms" in line                                  # today's cell (4000 tok/s) only
+    assert "not used, measured with earlier plugin settings: decode_plan=flashinfer: 5000 tok/s (2.00x)" in line
+    assert "cascade_impl" not in line
