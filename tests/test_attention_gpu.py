@@ -199,3 +199,37 @@ def test_plan_does_not_wait_for_the_gpu(name):
     still_busy = not busy.query()
     torch.cuda.synchronize()
     assert still_busy and dt < 0.5, f"{name}: plan() took {dt:.3f} s and the sleep kernel had ended: it waited"
+
+
+@needs_fi
+@pytest.mark.parametrize("name", ["paged", "cascade_composed", "dense", "granikv"])
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_fast_decode_plan_matches_reference_over_replans(name, cuda_graph):
+    """decode_plan="fast" (FlashInfer's fast_decode_plan after the first plan, the SGLang plugin's
+    setting): re-planned steps of one structure with new KV lengths and slots, eager and graph-mode
+    wrappers, against the reference; and the fast path was taken where FlashInfer has it."""
+    import flashinfer
+    from granikv.attention.decode import DecodeAttention
+    from granikv.attention.dispatch import Dispatcher
+    from granikv.attention.policy import GranikvPolicy, make_policy
+
+    hq, hkv, d = 32, 8, 128
+    kw = dict(device="cuda", dtype=torch.bfloat16, cuda_graph=cuda_graph, decode_plan="fast")
+    if name == "granikv":
+        be = DecodeAttention(GranikvPolicy(Dispatcher(hq, hkv, d, "test", MIXED)), hq, hkv, d, **kw)
+    elif name == "cascade_composed":
+        be = DecodeAttention(make_policy("cascade"), hq, hkv, d, cascade_impl="composed", **kw)
+    else:
+        be = DecodeAttention(make_policy(name), hq, hkv, d, **kw)
+    if cuda_graph:
+        be.rest_capacity = 1 << 15         # one shared rest buffer, so every step keys the same wrapper set
+    plans = []
+    for seed in range(4):                  # the same class layout, new suffix lengths and slots each step
+        k, v, batch = make_step(10 + seed, hkv, d, [700], [24], [True], max_suffix=40, dtype=torch.bfloat16,
+                                device="cuda")
+        q = torch.randn(batch.batch_size, hq, d, device="cuda").bfloat16()
+        be.plan(batch)
+        plans.append(be._gpu.current.decode_plan)
+        assert rel_err(be.run(q, k, v), _ref(q, k, v, batch)) <= 2e-2, (name, cuda_graph, seed)
+    if hasattr(flashinfer, "fast_decode_plan"):
+        assert "fast" in plans, plans
