@@ -1,5 +1,6 @@
 """Which repetitions the analysis uses: a repetition whose measured run captured CUDA graphs is set
-aside when the same configuration has a repetition that did not.
+aside when the same configuration has a repetition that did not; and a superseded sweep's cells are
+set aside where the rerun that supersedes it has the same configuration (:func:`prefer_rerun`).
 
 SGLang captures every CUDA graph before it serves; our engine captures a graph the first time a
 batch shape needs it. Before the graph-key fix (2d616dd) and the capture-at-second-use policy,
@@ -41,10 +42,7 @@ def prefer_clean(res: Results, limit: float = CAPTURE_LIMIT) -> Results:
         return res
     share = capture_share(c)
     serving = c["kind"] == "serving"
-    ids = identity(c, res.config_columns)
-    keys = c[ids].astype(object).where(c[ids].notna(), NULL).astype(str).agg("\x1f".join, axis=1) if ids else \
-        pd.Series("", index=c.index)
-    keys = keys + with_derived(c)["instrumented"].map({True: "\x1finstrumented", False: ""})
+    keys = _config_keys(c, res.config_columns)
     affected = serving & (share >= limit)
     clean = serving & ~(share >= limit)
     clean_path = c.loc[clean].groupby(keys[clean])["path"].first()
@@ -57,11 +55,65 @@ def prefer_clean(res: Results, limit: float = CAPTURE_LIMIT) -> Results:
                    aside.reset_index(drop=True))
 
 
+def _config_keys(c: pd.DataFrame, config_columns) -> pd.Series:
+    """One string per cell naming its configuration (every identity column; instrumented apart)."""
+    ids = identity(c, config_columns)
+    keys = c[ids].astype(object).where(c[ids].notna(), NULL).astype(str).agg("\x1f".join, axis=1) if ids else \
+        pd.Series("", index=c.index)
+    return keys + with_derived(c)["instrumented"].map({True: "\x1finstrumented", False: ""})
+
+
+def supersessions(campaign=None) -> dict[str, list[str]]:
+    """Sweep folder -> the older sweep folders whose cells it replaces (conf/campaign.yaml ``supersedes``)."""
+    from runners.campaign import expand, load_campaign
+
+    out: dict[str, list[str]] = {}
+    for item in load_campaign() if campaign is None else campaign:
+        if item.supersedes:
+            cells = expand(item)
+            if cells:
+                out.setdefault(cells[0].sweep_name, []).extend(item.supersedes)
+    return out
+
+
+def prefer_rerun(res: Results, campaign=None) -> Results:
+    """``res`` with the cells of a superseded sweep moved to ``set_aside`` wherever the sweep that
+    supersedes it (a campaign item's ``supersedes``) has a finished cell of the same configuration
+    (``set_aside_for``: that cell's path; ``superseded_by``: its sweep). A configuration the rerun has
+    not reached keeps its older cells. The cells stay in results/raw; the REPORT lists them."""
+    c = res.cells
+    pairs = supersessions(campaign) if not c.empty and "sweep" in c.columns else {}
+    if not pairs:
+        return res
+    keys = _config_keys(c, res.config_columns)
+    drop = pd.Series(False, index=c.index)
+    by = pd.Series(None, index=c.index, dtype=object)
+    to = pd.Series(None, index=c.index, dtype=object)
+    for new, olds in pairs.items():
+        fresh = c["sweep"] == new
+        if not fresh.any():
+            continue
+        first = c.loc[fresh].groupby(keys[fresh])["path"].first()
+        hit = c["sweep"].isin(olds) & keys.isin(first.index) & ~drop
+        drop |= hit
+        by[hit] = new
+        to[hit] = keys[hit].map(first)
+    if not drop.any():
+        return res
+    aside = c[drop].assign(superseded_by=by[drop], set_aside_for=to[drop])
+    return replace(res, cells=c[~drop].reset_index(drop=True),
+                   set_aside=pd.concat([res.set_aside, aside], ignore_index=True) if not res.set_aside.empty else
+                   aside.reset_index(drop=True))
+
+
+ASIDE_COLUMNS = ["capture_share", "set_aside_for", "superseded_by"]
+
+
 def all_cells(res: Results) -> pd.DataFrame:
     """Every finished cell, set aside or not (for bookkeeping: coverage, counts, the capture summary)."""
     if res.set_aside.empty:
         return res.cells
-    return pd.concat([res.cells, res.set_aside.drop(columns=["capture_share", "set_aside_for"], errors="ignore")],
+    return pd.concat([res.cells, res.set_aside.drop(columns=ASIDE_COLUMNS, errors="ignore")],
                      ignore_index=True).sort_values(["sweep", "cell_id"], kind="stable").reset_index(drop=True)
 
 
@@ -70,9 +122,22 @@ def set_aside_line(res: Results) -> str:
     a = res.set_aside
     if a.empty:
         return ""
-    g = a.groupby(["sweep", "system.name"]).agg(n=("path", "size"), lo=("capture_share", "min"),
-                                                hi=("capture_share", "max"))
-    parts = [f"{sw} {sy}: {int(r['n'])} ({r['lo']:.1%}-{r['hi']:.1%} of the run)" for (sw, sy), r in g.iterrows()]
-    return (f"Repetitions set aside ({len(a)}): a repetition whose measured run spent {CAPTURE_LIMIT:.0%} or more of its "
-            "time capturing CUDA graphs is left out of every table and claim when the same configuration has a "
-            "repetition that did not (analysis/clean.py; the cells stay in results/raw): " + "; ".join(parts) + ".")
+    out = []
+    sup = a["superseded_by"].notna() if "superseded_by" in a.columns else pd.Series(False, index=a.index)
+    cap = a[~sup]
+    if not cap.empty:
+        g = cap.groupby(["sweep", "system.name"]).agg(n=("path", "size"), lo=("capture_share", "min"),
+                                                      hi=("capture_share", "max"))
+        parts = [f"{sw} {sy}: {int(r['n'])} ({r['lo']:.1%}-{r['hi']:.1%} of the run)" for (sw, sy), r in g.iterrows()]
+        out.append(f"Repetitions set aside ({len(cap)}): a repetition whose measured run spent {CAPTURE_LIMIT:.0%} or more "
+                   "of its time capturing CUDA graphs is left out of every table and claim when the same configuration "
+                   "has a repetition that did not (analysis/clean.py; the cells stay in results/raw): "
+                   + "; ".join(parts) + ".")
+    if sup.any():
+        g = a[sup].groupby(["superseded_by", "sweep"]).size()
+        parts = [f"{n} of {sw} by {by}" for (by, sw), n in g.items()]
+        out.append(f"Cells superseded ({int(sup.sum())}): where a rerun sweep that supersedes an older one "
+                   "(conf/campaign.yaml `supersedes`) has a cell of the same configuration, the older sweep's cells of "
+                   "that configuration are left out of every table and claim (analysis/clean.py prefer_rerun; they "
+                   "stay in results/raw): " + "; ".join(parts) + ".")
+    return " ".join(out)

@@ -17,7 +17,7 @@ from pathlib import Path
 from analysis import (amdahl, claim_map, coverage, dispatch_overhead, dispatch_routing, distance_to_limit, engine_fidelity,
                       grid, headline, headline_steps, in_sglang, kernel, limitation, multiprefix, prefill_host, prefill_host_ops,
                       profiler, sharegpt_matrix)
-from analysis.clean import prefer_clean
+from analysis.clean import prefer_clean, prefer_rerun
 from analysis.load import load_results
 
 MODULES = (headline, engine_fidelity, in_sglang, headline_steps, prefill_host, prefill_host_ops, grid, sharegpt_matrix, multiprefix, kernel, amdahl,
@@ -27,7 +27,7 @@ MODULES = (headline, engine_fidelity, in_sglang, headline_steps, prefill_host, p
 def run(results: str | Path = "results/raw", out: str | Path = "results", only: str | None = None) -> dict:
     """Regenerate everything; returns {"tables": [...], "figures": [...], "claims": DataFrame | None}."""
     out = Path(out)
-    res = prefer_clean(load_results(results))
+    res = prefer_clean(prefer_rerun(load_results(results)))
     for m in MODULES:
         m.build(res, out, figures=only != "tables")
     coverage.build(res, out)   # bookkeeping, not a paper table: the campaign's cells against the raw results

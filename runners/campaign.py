@@ -44,9 +44,16 @@ class CampaignItem:
     sweep: str
     overrides: list[str] = field(default_factory=list)
     gpus: int = 1
+    # sweep folders (results/raw/<name>) whose cells this item's cells replace, configuration by
+    # configuration (analysis.clean.prefer_rerun sets the older ones aside; they stay in results/raw)
+    supersedes: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         where = f"conf/campaign.yaml item `{self.id}`"
+        if not isinstance(self.supersedes, list) or not all(isinstance(s, str) and re.fullmatch(r"[A-Za-z0-9_.]+", s)
+                                                             for s in self.supersedes):
+            raise ValueError(f"{where}: supersedes must be a list of sweep folder names (results/raw/<name>), "
+                             f"got {self.supersedes!r}")
         if not isinstance(self.id, str) or not re.fullmatch(r"[a-z0-9_]+", self.id):
             raise ValueError(f"conf/campaign.yaml: item id {self.id!r} must be lower-case letters, digits and _")
         if self.sweep not in _presets():
@@ -102,13 +109,15 @@ def load_campaign(path: str | Path = CAMPAIGN_YAML) -> list[CampaignItem]:
     items = []
     for i, raw in enumerate(doc["items"]):
         if not isinstance(raw, dict):
-            raise ValueError(f"{path}: items[{i}] must be a mapping with id, what, issue, sweep[, overrides, gpus]")
-        unknown = set(raw) - {"id", "what", "issue", "sweep", "overrides", "gpus"}
+            raise ValueError(f"{path}: items[{i}] must be a mapping with id, what, issue, sweep[, overrides, gpus, "
+                             "supersedes]")
+        unknown = set(raw) - {"id", "what", "issue", "sweep", "overrides", "gpus", "supersedes"}
         missing = {"id", "what", "issue", "sweep"} - set(raw)
         if unknown or missing:
             raise ValueError(f"{path}: items[{i}] ({raw.get('id', '?')}): "
                              + (f"unknown keys {sorted(unknown)}" if unknown else f"missing keys {sorted(missing)}"))
-        items.append(CampaignItem(**{**raw, "overrides": list(raw.get("overrides") or [])}))
+        items.append(CampaignItem(**{**raw, "overrides": list(raw.get("overrides") or []),
+                                     "supersedes": list(raw.get("supersedes") or [])}))
     ids = [it.id for it in items]
     if dup := sorted({i for i in ids if ids.count(i) > 1}):
         raise ValueError(f"{path}: item ids must be unique, repeated: {dup}")
@@ -167,10 +176,14 @@ def _config_dict(job: list[str], compose, check: bool, bases: dict) -> dict:
 _PLANS: dict[tuple, list[PlannedCell]] = {}
 
 
-def expand(item: CampaignItem, check: bool = False) -> list[PlannedCell]:
+def expand(item: CampaignItem, check: bool = False, every: int = 1) -> list[PlannedCell]:
     """Every cell ``runners.run -m sweep=<item.sweep> <item.overrides>`` would run, in launch order.
     ``check``: also run every cell's config checks (the dataclasses' ``__post_init__``), as the sweep's
-    precheck does; slower (tests/test_campaign.py checks both ways give the same settings)."""
+    precheck does; slower (tests/test_campaign.py checks both ways give the same settings). ``every``:
+    plan only every ``every``-th cell of the launch order, starting with the first (the test's
+    check-mode sample of a large item)."""
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"expand(every={every!r}): must be an int >= 1")
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -195,7 +208,7 @@ def expand(item: CampaignItem, check: bool = False) -> list[PlannedCell]:
             top = OmegaConf.create({"hydra": {"sweeper": {"params": {k: str(v) for k, v in params.items()}},
                                               "overrides": {"task": task}}})
         out = []
-        for job in sweep_jobs(top):
+        for job in list(sweep_jobs(top))[::every]:
             try:
                 d = _config_dict(job, compose, check, bases)
             except ConfigError as e:
@@ -210,7 +223,7 @@ def expand(item: CampaignItem, check: bool = False) -> list[PlannedCell]:
                                    settings={k: v for k, v in flat.items() if k not in NOT_SETTINGS}))
         return out
 
-    key = (item.id, item.sweep, tuple(item.overrides), item.gpus, check)
+    key = (item.id, item.sweep, tuple(item.overrides), item.gpus, check, every)
     if key not in _PLANS:   # conf/ does not change within a process: expand once
         if GlobalHydra.instance().is_initialized():   # inside a caller's Hydra context (its conf/ is ours)
             _PLANS[key] = plan()

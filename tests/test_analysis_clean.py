@@ -67,3 +67,43 @@ def test_instrumented_cells_never_stand_in_for_plain_ones():
     assert prefer_clean(res) is res                       # the plain cell stays, though only it captured
     res.cells["profile_steps"] = [0, 0]
     assert len(prefer_clean(res).set_aside) == 1          # a plain clean twin does replace it
+
+
+def test_a_rerun_sweep_supersedes_older_cells_of_the_same_configuration_only():
+    from analysis.clean import prefer_rerun
+    from runners.campaign import CampaignItem
+
+    def cell(sweep, s, lp, rep, thr):
+        return {"sweep": sweep, "cell_id": f"rep={rep},system={s},Lp={lp}", "path": f"{sweep}/{s}/{lp}/{rep}",
+                "kind": "serving", "system.name": s, "workload.prefix_len": lp, "rep": rep,
+                "cuda_graph_capture_s": 0.0, "duration_s": 2.0, "output_throughput_tok_s": thr}
+
+    rows = [cell("headline_llama3_8b_tp1", "granikv", 512, 0, 900.0),       # old, rerun exists: set aside
+            cell("headline_llama3_8b_tp1", "granikv", 512, 1, 950.0),       # old rep 1 too (rep is not identity)
+            cell("headline_llama3_8b_tp1", "granikv", 1024, 0, 800.0),      # the rerun has not reached it: kept
+            cell("sharegpt_matrix_llama3_8b_tp1", "granikv", 512, 0, 920.0),  # the other superseded sweep
+            cell("other_sweep", "granikv", 512, 0, 700.0),                  # not superseded: kept
+            cell("headline_onecommit_llama3_8b_tp1", "granikv", 512, 0, 1000.0),
+            cell("headline_onecommit_llama3_8b_tp1", "granikv", 512, 1, 1010.0)]
+    res = Results(root=Path("."), cells=pd.DataFrame(rows), failures=pd.DataFrame(), kernels=pd.DataFrame(),
+                  config_columns=COLS)
+    item = CampaignItem(id="onecommit", what="x", issue=28, sweep="headline_onecommit",
+                        supersedes=["headline_llama3_8b_tp1", "sharegpt_matrix_llama3_8b_tp1"])
+    out = prefer_rerun(res, [item])
+    assert sorted(out.set_aside["path"]) == ["headline_llama3_8b_tp1/granikv/512/0",
+                                             "headline_llama3_8b_tp1/granikv/512/1",
+                                             "sharegpt_matrix_llama3_8b_tp1/granikv/512/0"]
+    assert set(out.set_aside["superseded_by"]) == {"headline_onecommit_llama3_8b_tp1"}
+    assert set(out.set_aside["set_aside_for"]) == {"headline_onecommit_llama3_8b_tp1/granikv/512/0"}
+    kept = set(out.cells["path"])
+    assert "headline_llama3_8b_tp1/granikv/1024/0" in kept and "other_sweep/granikv/512/0" in kept
+    assert sorted(all_cells(out)["path"]) == sorted(res.cells["path"])
+    assert list(all_cells(out).columns) == list(res.cells.columns)
+    line = set_aside_line(out)
+    assert "Cells superseded (3)" in line and "2 of headline_llama3_8b_tp1 by headline_onecommit_llama3_8b_tp1" in line
+    assert "Repetitions set aside" not in line
+    # nothing rerun yet: nothing set aside
+    assert prefer_rerun(Results(root=Path("."), cells=pd.DataFrame(rows[:5]), failures=pd.DataFrame(),
+                                kernels=pd.DataFrame(), config_columns=COLS), [item]).set_aside.empty
+    with pytest.raises(ValueError, match="supersedes must be a list of sweep folder names"):
+        CampaignItem(id="bad", what="x", issue=28, sweep="headline", supersedes="headline_llama3_8b_tp1")
