@@ -22,8 +22,9 @@ def fake_fi(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.module())
 
 
-def _make(name, hq, hkv, d, graph, splits=None):
-    kw = dict(device="cpu", dtype=torch.float32, cuda_graph=graph, impl="flashinfer", dense_kv_splits=splits)
+def _make(name, hq, hkv, d, graph, splits=None, decode_plan="flashinfer"):
+    kw = dict(device="cpu", dtype=torch.float32, cuda_graph=graph, impl="flashinfer", dense_kv_splits=splits,
+              decode_plan=decode_plan)
     if name == "granikv":
         return DecodeAttention(GranikvPolicy(Dispatcher(hq, hkv, d, "t", MIXED)), hq, hkv, d, **kw)
     if name == "cascade_composed":   # SGLang-Cascade's split on the per-class cascade path
@@ -62,13 +63,7 @@ def test_fast_decode_plan_replans_every_path_exactly(name, graph):
     fast_decode_plan (which writes no graph-mode buffer: the stand-in fails if the indptr buffer was not
     written first, and its kernels read the buffers, so stale indices would show in the output)."""
     hq, hkv, d = 8, 2, 8
-    kw = dict(device="cpu", dtype=torch.float32, cuda_graph=graph, impl="flashinfer", decode_plan="fast")
-    if name == "granikv":
-        be = DecodeAttention(GranikvPolicy(Dispatcher(hq, hkv, d, "t", MIXED)), hq, hkv, d, **kw)
-    elif name == "cascade_composed":
-        be = DecodeAttention(make_policy("cascade"), hq, hkv, d, cascade_impl="composed", **kw)
-    else:
-        be = DecodeAttention(make_policy(name), hq, hkv, d, **kw)
+    be = _make(name, hq, hkv, d, graph, decode_plan="fast")
     fake_flashinfer.DECODE_WRAPPERS.clear()
     layouts = [([100], [6], [True], 0), ([4, 100, 100, 60], [2, 1, 4, 5], [True, True, True, False], 2),
                ([30, 30], [3, 3], [True, False], 1), ([], [], [], 3), ([50], [2], [True], 0)]

@@ -13,7 +13,7 @@ MIXED = [{"lp_max": 64, "choice": "paged"}, {"meff_min": 64, "choice": "dense"},
 SHAPES = [(32, 8, 128), (20, 4, 128), (8, 8, 128)]
 
 
-def _backend(name, hq, hkv, d, cuda_graph=False):
+def _backend(name, hq, hkv, d, cuda_graph=False, decode_plan="flashinfer"):
     from types import SimpleNamespace
 
     from granikv.attention.decode import make_backend
@@ -22,7 +22,8 @@ def _backend(name, hq, hkv, d, cuda_graph=False):
     disp = Dispatcher(hq, hkv, d, "test", MIXED) if name == "granikv" else None
     impl = "composed" if name == "cascade_composed" else "multilevel"
     name = "cascade" if name == "cascade_composed" else name
-    return make_backend(SimpleNamespace(backend=name, dispatch="table", tensor_core_decode="auto"), hq, hkv, d,
+    return make_backend(SimpleNamespace(backend=name, dispatch="table", tensor_core_decode="auto",
+                                        decode_plan=decode_plan), hq, hkv, d,
                         "cuda", torch.bfloat16, dispatcher=disp, cuda_graph=cuda_graph, cascade_impl=impl)
 
 
@@ -209,18 +210,9 @@ def test_fast_decode_plan_matches_reference_over_replans(name, cuda_graph):
     setting): re-planned steps of one structure with new KV lengths and slots, eager and graph-mode
     wrappers, against the reference; and the fast path was taken where FlashInfer has it."""
     import flashinfer
-    from granikv.attention.decode import DecodeAttention
-    from granikv.attention.dispatch import Dispatcher
-    from granikv.attention.policy import GranikvPolicy, make_policy
 
     hq, hkv, d = 32, 8, 128
-    kw = dict(device="cuda", dtype=torch.bfloat16, cuda_graph=cuda_graph, decode_plan="fast")
-    if name == "granikv":
-        be = DecodeAttention(GranikvPolicy(Dispatcher(hq, hkv, d, "test", MIXED)), hq, hkv, d, **kw)
-    elif name == "cascade_composed":
-        be = DecodeAttention(make_policy("cascade"), hq, hkv, d, cascade_impl="composed", **kw)
-    else:
-        be = DecodeAttention(make_policy(name), hq, hkv, d, **kw)
+    be = _backend(name, hq, hkv, d, cuda_graph=cuda_graph, decode_plan="fast")
     if cuda_graph:
         be.rest_capacity = 1 << 15         # one shared rest buffer, so every step keys the same wrapper set
     plans = []

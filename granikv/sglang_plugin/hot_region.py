@@ -335,6 +335,8 @@ class HotColdTree:
 
     def _grow_for(self, n: int) -> bool:
         r = self.region
+        # the allocator's free list is private: grow_by is not told which slots above HOT are free
+        # (cold_head_free=n passes that rule), region.grow checks it by what the allocator hands out
         d = self.split.grow_by(n, r.capacity, r.tail_free, r.allocator.available_size(), cold_head_free=n)
         if d <= 0:
             return False
