@@ -127,3 +127,53 @@ def test_slim_tree_leaves_out_the_bulk_and_brings_it_back(tmp_path):
     assert untracked() == sorted(files)
     assert exclude.read_text() == "/.whl/\n"
     assert subprocess.run(["bash", "runners/gpu/slim_tree.sh"], cwd=g, capture_output=True).returncode == 2
+
+
+def _sgl(root: Path, script: str, **env) -> subprocess.CompletedProcess:
+    """``script`` after sourcing runners/gpu/sglang.sh with its working root at ``root``."""
+    full = {**os.environ, "SGL_ROOT": str(root), **{k: str(v) for k, v in env.items()}}
+    return subprocess.run(["bash", "-c", f"source {ROOT}/runners/gpu/sglang.sh; {script}"], cwd=root, env=full,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_sglang_jit_cache_travels_in_parts_and_is_restored_whole(tmp_path):
+    """SGLang's FlashInfer JIT cache: packed from one machine's workspace into $OUT parts, carried one
+    per staging call, restored whole on the next machine, with the installed sources' mtimes set back
+    (ninja would otherwise rebuild every module); a missing part leaves no half cache behind."""
+    old, new, out = tmp_path / "old", tmp_path / "new", tmp_path / "out"
+    mod = old / ".sgl_fi_cache" / ".cache" / "flashinfer" / "0.6.15" / "90a" / "cached_ops" / "single_prefill"
+    mod.mkdir(parents=True)
+    blob = os.urandom(5 << 19)                   # incompressible: three 1 MiB parts
+    (mod / "single_prefill.so").write_bytes(blob)
+    (mod / "build.ninja").write_text("rule cxx\n")
+    (mod / ".ninja_lock.lock").write_text("")
+    p = _sgl(old, "sglang_pack_jit 3", OUT=out, GRANIKV_JIT_PART_MIB=1)
+    assert p.returncode == 0, p.stderr
+    parts = sorted(out.glob("sgl_fi_cache.tar.xz.part-*"))
+    assert [q.name[-2:] for q in parts] == ["aa", "ab", "ac"], p.stdout
+    assert "packed the JIT cache: 3 part(s)" in p.stdout
+    assert _sgl(old, "sglang_pack_jit 2", OUT=out / "small", GRANIKV_JIT_PART_MIB=1).stdout.count("not packed") == 1
+    assert not list((out / "small").glob("sgl_fi_cache*"))
+
+    site, staged = tmp_path / "site", tmp_path / "staged"
+    (site / "flashinfer").mkdir(parents=True)
+    (site / "flashinfer" / "prefill.cuh").write_text("// source\n")
+    env = {"GRANIKV_SGLANG_SITE": site, "GRANIKV_SGLANG_PARTS": staged}
+    (new / ".sgl_fi_cache" / "parts").mkdir(parents=True)
+    for q in parts[:2]:                          # two of the three calls so far
+        shutil.copy(q, new / ".sgl_fi_cache" / "parts")
+    assert _sgl(new, "sglang_stage", **env).returncode == 0
+    r = _sgl(new, "sglang_jit_restore", **env)
+    assert "do not make a whole archive" in r.stdout and not (new / ".sgl_fi_cache" / ".cache").exists()
+    shutil.rmtree(new / ".sgl_fi_cache" / "parts")
+    (new / ".sgl_fi_cache" / "parts").mkdir()
+    shutil.copy(parts[2], new / ".sgl_fi_cache" / "parts")   # the third call
+    assert _sgl(new, "sglang_stage", **env).returncode == 0
+    r = _sgl(new, "sglang_jit_restore", **env)
+    assert "restored the FlashInfer JIT cache" in r.stdout, r.stdout + r.stderr
+    got = new / ".sgl_fi_cache" / mod.relative_to(old / ".sgl_fi_cache")
+    assert (got / "single_prefill.so").read_bytes() == blob and not (got / ".ninja_lock.lock").exists()
+    assert (site / "flashinfer" / "prefill.cuh").stat().st_mtime < (got / "single_prefill.so").stat().st_mtime
+    assert (site / "flashinfer" / "prefill.cuh").stat().st_mtime < 1.6e9          # 2020-01-01
+    r = _sgl(new, 'echo "ws=$FLASHINFER_WORKSPACE_BASE"', **env)
+    assert f"ws={new}/.sgl_fi_cache" in r.stdout

@@ -64,7 +64,7 @@ def slim(whl: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / ".sgl_wheels"))
-    ap.add_argument("--part-mib", type=int, default=44)
+    ap.add_argument("--part-mib", type=int, default=40)
     a = ap.parse_args(argv)
     out = Path(a.out)
     whl_dir, parts = out / "whl", out / "parts"

@@ -5,11 +5,12 @@
 # (~118 MiB: sglang 0.5.17, the versions it pins, sglang-kernel 0.4.5 without its FA3 library;
 # runners/gpu/sglang_wheels.txt) is built once on a machine with internet,
 #   python runners/gpu/build_sgl_wheels.py      # -> .sgl_wheels/{whl/*.whl, whl/MANIFEST.txt, parts/}
-# (git-ignored) and travels in parts of <= 44 MiB, one part per device call (a call carries at most
+# (git-ignored) and travels in parts of <= 40 MiB, one part per device call (a call carries at most
 # 64 MiB with the checkout, results/raw left out: `git sparse-checkout set --no-cone '/*' '!/results/raw/'`,
-# `git sparse-checkout disable` after):
+# `git sparse-checkout disable` after), each with one part of the FlashInfer JIT cache when there is one:
 #   bash runners/gpu/sglang.sh stage        # in each call: copy the carried part(s) to /tmp/sgl_parts
-#   bash runners/gpu/sglang.sh install      # all parts there: check MANIFEST sha256, pip install --target /tmp/sgl_site
+#   bash runners/gpu/sglang.sh install      # all parts there: check MANIFEST sha256, pip install --target /tmp/sgl_site,
+#                                           # restore the JIT cache
 #   bash runners/gpu/sglang.sh gate [overrides]   # start (or reuse) the server, serve 16 requests
 #   bash runners/gpu/sglang.sh stop         # stop every server this recipe started (by pid)
 # and runners/gpu/sweep.sh measures with GRANIKV_ENGINE=sglang (it sources this file: install, gate,
@@ -17,10 +18,20 @@
 # what /tmp holds: the parts, the site dir and the running server (started in its own session with
 # GRANIKV_SGLANG_KEEP=1; the next call adopts it when its arguments are the same).
 #
-#   run(command="bash runners/gpu/sglang.sh stage", carry=[".sgl_wheels/parts/sgl_wheels.tar.part-aa", ".gpu_site/py"])
-#   run(command="bash runners/gpu/sglang.sh stage", carry=[".sgl_wheels/parts/sgl_wheels.tar.part-ab", ".gpu_site/py"])
+#   run(command="bash runners/gpu/sglang.sh stage", carry=[".sgl_wheels/parts/sgl_wheels.tar.part-aa", ".sgl_fi_cache/parts/sgl_fi_cache.tar.xz.part-aa"])
+#   run(command="bash runners/gpu/sglang.sh stage", carry=[".sgl_wheels/parts/sgl_wheels.tar.part-ab", ".sgl_fi_cache/parts/sgl_fi_cache.tar.xz.part-ab"])
 #   run(command="<provenance export line>; bash runners/gpu/sglang.sh stage && GRANIKV_ENGINE=sglang bash runners/gpu/sweep.sh headline -- system=sglang_server",
-#       carry=[".sgl_wheels/parts/sgl_wheels.tar.part-ac", ".gpu_site/py"])
+#       carry=[".sgl_wheels/parts/sgl_wheels.tar.part-ac", ".sgl_fi_cache/parts/sgl_fi_cache.tar.xz.part-ac", ".gpu_site/py"])
+#
+# The FlashInfer JIT cache. SGLang's FlashInfer (0.6.15) compiles its kernels at first use: the
+# batch decode/prefill modules while the machine's first server starts (289 s against 72 s warm,
+# seen 2026-12-02), the plugin's dense prefix module (single prefill) at its first decode step
+# (a first warm-up of 90-114 s against 5-11 s). Every SGLang process this recipe starts (the sweeps'
+# servers, the gate, runners.plugin_check) shares one workspace, FLASHINFER_WORKSPACE_BASE=
+# .sgl_fi_cache (apart from the engine's .fi_cache: another FlashInfer version). sweep.sh packs it
+# into $OUT as sgl_fi_cache.tar.xz.part-* (`bash runners/gpu/sglang.sh pack` does it by hand); put
+# those in .sgl_fi_cache/parts/ here and carry one per call as above: the third call restores it.
+# Installed sources get one fixed old mtime, so ninja does not take them for newer than the cache.
 #
 # Knobs: GRANIKV_SGLANG_PARTS (/tmp/sgl_parts), GRANIKV_SGLANG_SITE (/tmp/sgl_site),
 # GRANIKV_SGLANG_STATE (/tmp/granikv-sglang: server state and logs), GRANIKV_SGLANG_GATE_ARGS
@@ -28,9 +39,11 @@
 SGL_PARTS=${GRANIKV_SGLANG_PARTS:-/tmp/sgl_parts}
 SGL_SITE=${GRANIKV_SGLANG_SITE:-/tmp/sgl_site}
 export GRANIKV_SGLANG_STATE=${GRANIKV_SGLANG_STATE:-/tmp/granikv-sglang}
+SGL_JIT_PARTS=$SGL_PARTS/jit
 export GRANIKV_SGLANG_KEEP=1 SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 SGL_ROOT=${SGL_ROOT:-$PWD}
+export FLASHINFER_WORKSPACE_BASE=$SGL_ROOT/.sgl_fi_cache   # one JIT cache for every SGLang process (above)
 _slog() { echo "[sglang.sh +$(( $(date +%s) - ${T0:-$(date +%s)} ))s] $*"; }
 
 sglang_stage() {   # copy the parts this call carried out of the checkout (the next call's checkout replaces it)
@@ -40,7 +53,45 @@ sglang_stage() {   # copy the parts this call carried out of the checkout (the n
     [ -f "$p" ] || continue
     cp "$p" "$SGL_PARTS/" && n=$((n + 1))
   done
-  _slog "staged $n part(s); $SGL_PARTS holds: $(ls "$SGL_PARTS" | tr '\n' ' ')"
+  mkdir -p "$SGL_JIT_PARTS"
+  for p in "$FLASHINFER_WORKSPACE_BASE"/parts/sgl_fi_cache.tar.xz.part-*; do
+    [ -f "$p" ] || continue
+    cp "$p" "$SGL_JIT_PARTS/" && n=$((n + 1))
+  done
+  _slog "staged $n part(s); $SGL_PARTS holds: $(ls "$SGL_PARTS" "$SGL_JIT_PARTS" | grep part- | tr '\n' ' ')"
+}
+
+sglang_jit_restore() {   # the carried JIT cache -> $FLASHINFER_WORKSPACE_BASE/.cache (once; a missing part = a cold build)
+  mkdir -p "$FLASHINFER_WORKSPACE_BASE"
+  if [ ! -f "$SGL_SITE/.mtime_fixed" ]; then   # pip stamps the install time: ninja would rebuild every cached module
+    find "$SGL_SITE" -exec touch -h -d '2020-01-01 00:00:00' {} + && touch "$SGL_SITE/.mtime_fixed"
+  fi
+  [ -d "$FLASHINFER_WORKSPACE_BASE/.cache" ] && return 0
+  ls "$SGL_JIT_PARTS"/sgl_fi_cache.tar.xz.part-* >/dev/null 2>&1 || { _slog "no JIT cache carried: cold FlashInfer builds"; return 0; }
+  if cat "$SGL_JIT_PARTS"/sgl_fi_cache.tar.xz.part-* | tar -xJ -C "$FLASHINFER_WORKSPACE_BASE" 2>/dev/null; then
+    _slog "restored the FlashInfer JIT cache ($(du -sh "$FLASHINFER_WORKSPACE_BASE/.cache" | cut -f1))"
+  else
+    rm -rf "$FLASHINFER_WORKSPACE_BASE/.cache"
+    _slog "WARNING: the JIT cache parts do not make a whole archive (one not staged?): cold FlashInfer builds"
+  fi
+}
+
+sglang_pack_jit() {   # $FLASHINFER_WORKSPACE_BASE/.cache -> $OUT/sgl_fi_cache.tar.xz.part-* (<= MAX_PARTS of 14 MiB)
+  local MAX_PARTS=${1:-3} STAGE NP D=${OUT:-/tmp/out} MIB=${GRANIKV_JIT_PART_MIB:-14}   # MIB: for the CPU test
+  [ -d "$FLASHINFER_WORKSPACE_BASE/.cache" ] || { _slog "no JIT cache to pack"; return 0; }
+  mkdir -p "$D"; STAGE=$(mktemp -d)
+  cp -a "$FLASHINFER_WORKSPACE_BASE/.cache" "$STAGE/" && find "$STAGE/.cache" -name '*.lock' -delete
+  tar --format=posix -C "$STAGE" -cf - .cache | xz -T0 -6 > "$STAGE/c.tar.xz"
+  rm -f "$D"/sgl_fi_cache.tar.xz.part-*
+  split -b "${MIB}m" "$STAGE/c.tar.xz" "$D/sgl_fi_cache.tar.xz.part-"
+  NP=$(ls "$D"/sgl_fi_cache.tar.xz.part-* | wc -l)
+  if [ "$NP" -gt "$MAX_PARTS" ]; then
+    _slog "WARNING: the JIT cache needs $NP parts (> $MAX_PARTS, one per staging call); not packed"
+    rm -f "$D"/sgl_fi_cache.tar.xz.part-*
+  else
+    _slog "packed the JIT cache: $NP part(s), $(du -h "$STAGE/c.tar.xz" | cut -f1)"
+  fi
+  rm -rf "$STAGE"
 }
 
 sglang_install() {   # idempotent: the parts -> wheels (sha256 checked) -> $SGL_SITE
@@ -60,6 +111,7 @@ sglang_install() {   # idempotent: the parts -> wheels (sha256 checked) -> $SGL_
 
 sglang_env_setup() {   # the runner's environment (hydra from .gpu_site/py) and the server's (SGLang first)
   sglang_install || return 2
+  sglang_jit_restore
   export GRANIKV_SGLANG_PYTHONPATH=$SGL_SITE
   # a plugin server (system.server.uses_plugin) also gets the checkout and a dist-info naming the
   # granikv entry point of sglang.srt.plugins (what `pip install -e .` would write)
@@ -100,9 +152,10 @@ if [ "${BASH_SOURCE[0]}" = "$0" ]; then   # run as a command (sweep.sh sources i
   T0=$(date +%s)
   case "${1:-}" in
     stage) sglang_stage ;;
-    install) sglang_install ;;
+    install) sglang_install && sglang_jit_restore ;;
+    pack) sglang_pack_jit "${2:-3}" ;;
     gate) shift; GRANIKV_SGLANG_GATE_ARGS="$*"; sglang_env_setup && sglang_gate ;;
     stop) PYTHONPATH=$SGL_ROOT:$SGL_ROOT/.gpu_site/py python3 -m granikv.serving.server stop ;;
-    *) echo "usage: bash runners/gpu/sglang.sh stage|install|gate [overrides]|stop" >&2; exit 2 ;;
+    *) echo "usage: bash runners/gpu/sglang.sh stage|install|pack [MAX_PARTS]|gate [overrides]|stop" >&2; exit 2 ;;
   esac
 fi

@@ -18,7 +18,8 @@
 #                            (<= 14 MB parts; raw2.tar.gz.part-*, ... when sweep.sh runs again in the
 #                            same call)
 #   sweep.log                the full log
-#   fi_cache.tar.xz.part-*   the FlashInfer JIT cache for the next call (put in .fi_cache/parts/)
+#   fi_cache.tar.xz.part-*   the FlashInfer JIT cache for the next call (put in .fi_cache/parts/);
+#                            with GRANIKV_ENGINE=sglang: sgl_fi_cache.tar.xz.part-* (SGLang's, .sgl_fi_cache/parts/)
 #
 # Knobs (environment): GRANIKV_TP (ranks, torchrun above 1), GRANIKV_BUDGET_S, GRANIKV_PACK_RESERVE_S,
 # GRANIKV_GPU_SPLIT (below), GRANIKV_SKIP_FUSED_CHECK=1 (skip the gate: only on a warm machine that
@@ -37,7 +38,8 @@
 #
 # GRANIKV_ENGINE=sglang: cells of a real SGLang server (system=sglang_server): runners/gpu/sglang.sh
 # installs the staged wheel set, and its gate (a server started or reused, 16 requests served through
-# the measuring path) replaces the engine GPU gate; no FlashInfer bundle or JIT cache is needed.
+# the measuring path) replaces the engine GPU gate; no FlashInfer bundle is needed, and SGLang's
+# FlashInfer JIT cache is its own (.sgl_fi_cache, see sglang.sh).
 set -uo pipefail
 T0=$(date +%s)
 GPU_LOG_TAG=sweep.sh
@@ -46,9 +48,11 @@ ENGINE=${GRANIKV_ENGINE:-granikv}
 if [ "$ENGINE" = sglang ]; then
   source "$(dirname "$0")/sglang.sh"
   [ -n "${GRANIKV_ENV_CPU_TEST:-}" ] || sglang_env_setup || exit 2
-  GRANIKV_SKIP_FUSED_CHECK=1 GRANIKV_NO_FI_PACK=1
+  GRANIKV_SKIP_FUSED_CHECK=1
+  PACK_JIT=sglang_pack_jit     # SGLang's FlashInfer JIT cache (.sgl_fi_cache), see sglang.sh
 else
   gpu_env_setup || exit 2
+  PACK_JIT=pack_fi_cache
 fi
 PRESETS=(); EXTRA=()
 while [ $# -gt 0 ]; do
@@ -128,7 +132,7 @@ if [ -n "$CHANGED" ]; then
 else
   log "no cell written"
 fi
-[ -n "${GRANIKV_NO_FI_PACK:-}" ] || pack_fi_cache 3   # GRANIKV_NO_FI_PACK=1: a later script in the call packs it
+[ -n "${GRANIKV_NO_FI_PACK:-}" ] || $PACK_JIT 3   # GRANIKV_NO_FI_PACK=1: a later script in the call packs it
 ls -la "$OUT"
 $PY - <<'PYEOF'
 import json, pathlib
