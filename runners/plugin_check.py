@@ -16,8 +16,9 @@ prefill), while both servers' outputs so far agree, the relative logit error is
 and ``d`` the difference (log-probs are logits minus a per-step constant, removed by the means).
 Pass: every compared step below 0.05 (the engine GPU tests' tolerance), at least one step compared
 per request, and the plugin's own counters (``GRANIKV_STATS_FILE``) show the expected path:
-for ``granikv``, dense classes and no ``full_graph_replay``. Writes ``DIR/plugin_check.json``;
-exit code 0 on pass, 1 on a failed check, 2 when it could not run.
+for ``granikv``, dense classes and no ``full_graph_replay``. Writes ``DIR/plugin_check.json`` (with
+the provenance every raw result carries, and each server's start and serve seconds); exit code 0 on
+pass, 1 on a failed check, 2 when it could not run.
 
 ``--fast-start ref`` (or ``both``) skips SGLang's prefill CUDA-graph capture
 (``--cuda-graph-backend-prefill disabled``) on the reference server (or on both): prefill is
@@ -127,7 +128,10 @@ def run_one(rc, fast_start: bool, prompts, prefix_len, out_len, ids, stop: bool)
           f"{time.monotonic() - t0:.0f} s", flush=True)
     info = {"argv": list(spec.argv), "env": dict(spec.env), "start_s": srv.started_s, "adopted": srv.adopted}
     try:
+        t1 = time.monotonic()
         out = asyncio.run(serve(srv.url, prompts, prefix_len, out_len, ids))
+        info["serve_s"] = time.monotonic() - t1   # a cold JIT build of a path's kernels lands here
+        print(f"plugin_check: {rc.system.name} served {len(prompts)} requests in {info['serve_s']:.0f} s", flush=True)
         stats = None
         if stats_path:
             deadline = time.monotonic() + 10
@@ -166,7 +170,10 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     base = ["sweep=headline", *a.overrides]
     report: dict = {"system": a.system, "prefix_len": a.prefix_len, "batch": a.batch, "steps": a.steps,
-                    "fast_start": a.fast_start, "tolerance": TOL}
+                    "fast_start": a.fast_start, "tolerance": TOL, "overrides": list(a.overrides)}
+    from granikv.rawio import provenance
+
+    report["provenance"] = provenance(cuda_probe=False)   # no CUDA context here: the servers own the GPU
     try:
         ref_rc = compose([*base, "system=sglang_server"])
         rc = compose([*base, f"system={a.system}"])

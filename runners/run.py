@@ -431,6 +431,10 @@ def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], e
         return
     if callable(getattr(engine, "log_tail", None)):   # a server cell keeps the end of the server's log
         (cell / "server_log_tail.txt").write_text("\n".join(engine.log_tail()) + "\n")
+    for name in ("start_log", "warmup_log"):          # and, where it has them, its start-up and warm-up lines
+        lines = getattr(engine, name, None)
+        if lines:
+            (cell / f"server_{name}.txt").write_text("\n".join(lines) + "\n")
     rawio.write_jsonl(cell / "requests.jsonl", _request_rows(requests, result.records), compress=True)
     rawio.write_jsonl(cell / "steps.jsonl", result.steps, compress=True)
     m = metrics_mod.summarize(result.records, result.steps, result.stats)

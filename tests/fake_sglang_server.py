@@ -109,6 +109,8 @@ def make_handler(st: State):
                 log("Traceback (most recent call last):\nRuntimeError: fake scheduler crashed")
                 os._exit(1)
             st.event(kind="generate", prompt_len=len(ids), max_new_tokens=want, ignore_eos=sp.get("ignore_eos"))
+            if nth == 1:                      # as FlashInfer says when it builds a kernel at first use
+                log("[flashinfer.jit] Loading JIT ops: fake_single_prefill")
             with st.slots:
                 with st.lock:
                     st.running += 1

@@ -142,6 +142,9 @@ def test_cell_on_a_fake_server_matches_the_engine_cell_schema(fake):
     assert prov["sglang"] == "0.0.0-fake" and "--max-running-requests" in prov["engine"]["argv"]
     assert "internal_states" not in prov["engine"]["server_info"]
     assert (cell / "server_log_tail.txt").read_text().strip()
+    assert "server_args=" in (cell / "server_start_log.txt").read_text()        # it started the server
+    warm = (cell / "server_warmup_log.txt").read_text()
+    assert "Loading JIT ops" in warm and " batch, #" not in warm             # what the warm-up built
     ev = events(tmp)
     kinds = [e["kind"] for e in ev]
     # flush, 4 warm-up requests (output lengths n+1..2, capped by nothing here), flush, 4 measured requests
@@ -159,6 +162,8 @@ def test_consecutive_cells_share_a_server_and_a_new_spec_restarts_it(fake):
         ov = [*FAKE, f"workload.prefix_len={lp}", f"results_dir={tmp / 'raw'}", "sweep_name=s"]
         assert rawio.cell_state(run_cell(cfg_of(ov), ov)) == "done"
     assert pool.launches == 1
+    cells = sorted((tmp / "raw" / "s").iterdir(), key=lambda c: (c / "metrics.json").stat().st_mtime)
+    assert [(c / "server_start_log.txt").exists() for c in cells] == [True, False]   # the server's first cell only
     first = pool.current.pid
     ov = [*FAKE, "workload.batch=2", f"results_dir={tmp / 'raw'}", "sweep_name=s"]   # --max-running-requests 2
     run_cell(cfg_of(ov), ov)

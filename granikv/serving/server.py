@@ -212,6 +212,7 @@ class SGLangServer:
         self.spec, self.pid, self.port, self.log_path = spec, pid, port, Path(log_path)
         self.proc, self.adopted = proc, adopted
         self.started_s: Optional[float] = None   # launch -> healthy (seconds)
+        self.ready_log_size: Optional[int] = None  # log bytes at ready (a server this process started)
         self._info: Optional[dict] = None
 
     @property
@@ -253,6 +254,7 @@ class SGLangServer:
             srv.stop()
             raise
         srv.started_s = time.monotonic() - t0
+        srv.ready_log_size = srv.log_size()   # the start-up section of the log ends here
         srv.state_file.write_text(json.dumps({**record, "ready": True, "start_s": srv.started_s}))
         return srv
 

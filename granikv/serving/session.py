@@ -29,6 +29,7 @@ from granikv.workloads import warmup_requests
 # /server_info keys kept in provenance.engine.server_info (the rest is per-request internal state)
 INFO_DROP = ("internal_states",)
 VERSION_PACKAGES = ("sglang", "sglang-kernel", "flashinfer-python", "torch", "transformers")
+START_LOG_LINES = 400   # at most this many lines of a server's start-up / warm-up log go with a cell
 
 
 class ServerEngine:
@@ -39,6 +40,8 @@ class ServerEngine:
         self.spec = server_spec(cfg)
         self.server = (pool or POOL).acquire(self.spec)
         self.info = self.server.info()
+        self.start_log: Optional[list[str]] = None    # set by run(): see there
+        self.warmup_log: Optional[list[str]] = None
 
     def provenance(self) -> dict:
         """What config.json's provenance adds for a server cell: the engine, its version and args."""
@@ -75,10 +78,20 @@ class ServerEngine:
                               send_prefix_len=sc.send_prefix_len)
         srv.flush_cache()
         warm_stats = None
+        self.start_log = None                 # the server's start-up log, for the first cell of a server started here
+        if srv.ready_log_size is not None and not getattr(srv, "start_log_taken", False):
+            self.start_log = srv.log_lines(0, srv.ready_log_size)[-START_LOG_LINES:]
+            srv.start_log_taken = True
+        self.warmup_log = None
         if self.cfg.warmup_requests > 0:
             warm = warmup_requests(requests, self.cfg.warmup_requests, self.cfg.model.max_position_embeddings)
+            w0 = srv.log_size()
             w = self._replay(client, warm, "warm-up")
             warm_stats = {"requests": len(w.records), "duration_s": w.duration_s}
+            # what the server said while warming up, less its batch lines: JIT builds of kernels
+            # (a cold FlashInfer module takes minutes) show here, with their time stamps
+            self.warmup_log = [ln for ln in srv.log_lines(w0, srv.log_size())
+                               if " batch, #" not in ln][-START_LOG_LINES:]
             srv.flush_cache()
         start = srv.log_size()
         before = self.plugin_stats()
