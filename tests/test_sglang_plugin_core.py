@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from granikv.sglang_plugin.hot_region import GONE_ATTR, SLAB_ATTR, HotColdTree, HotRegion
+from granikv.sglang_plugin.hot_region import GONE_ATTR, RETIRED_ATTR, SLAB_ATTR, HotColdTree, HotRegion
 from granikv.sglang_plugin.settings import PluginSettings
 from test_sglang_plugin_model import ModelAllocator, ModelRadixCache, ModelReq
 
@@ -25,7 +25,10 @@ def check(c: ModelRadixCache, running=()):
     private = [c.req_to_token[r.req_pool_idx, r.cache_protected_len:r.fill_len].to(torch.int64) for r in running]
     nodes = c.nodes()
     cold = [n.value for n in nodes if getattr(n, SLAB_ATTR, None) is None]
-    owned = torch.cat([a.free_slots(), region.slots()] + cold + private)
+    retired = c.hot.retired_slots(nodes)   # promoted nodes' old COLD slots, still in running requests' rows
+    assert sum(len(r) for r in retired) == c.hot.retired_tokens
+    assert all(n.lock_ref > 0 for n in nodes if getattr(n, RETIRED_ATTR, None) is not None)
+    owned = torch.cat([a.free_slots(), region.slots()] + cold + private + retired)
     assert sorted(owned.tolist()) == list(range(1, a.size + 1)), "a slot is owned twice or by no one"
     # the region: free + used = capacity, slabs disjoint and contiguous, every HOT node inside its slab
     assert region.free_tokens + region.used_tokens == region.capacity
@@ -160,7 +163,7 @@ def test_a_second_request_shares_the_slab_and_frees_its_duplicates():
     prefill(c, r1)
     r2 = ModelReq(toks(0, 30) + [901, 902], prefix_len=30)
     prefill(c, r2)  # matched the slab at schedule time: only its suffix was computed
-    assert r2.cache_protected_len == 32 and c.hot.counts == {"hit": 1, "hot": 1, "cold": 0}
+    assert r2.cache_protected_len == 32 and c.hot.counts == {"hit": 1, "hot": 1, "cold": 0, "promoted": 0}
     assert c.req_to_token[r2.req_pool_idx, :30].tolist() == list(range(1, 31))
     check(c, [r1, r2])
     # prefilled together (both missed at schedule time): the second one's prefix is a duplicate
@@ -216,15 +219,21 @@ def test_an_unlocked_slab_is_evicted_whole_to_make_room_and_a_locked_one_never()
 def test_cold_eviction_never_frees_hot_slots_and_reaches_cold_above_hot():
     a = ModelAllocator(100)
     c = ModelRadixCache(a, 8, 256, hot_fraction=0.2)  # HOT 20, COLD 80
-    # a COLD prefix, then a request naming a longer prefix: COLD [0, 10) with a HOT [10, 20) below it
-    r0 = ModelReq(toks(0, 10) + [7])
+    # slab A [0, 10), a COLD [10, 15) below it, then a prefix naming [0, 25): its head is part HOT,
+    # part COLD (not promoted), so its tail [15, 25) goes to slab B below the COLD node
+    r0 = ModelReq(toks(0, 10) + [7], prefix_len=10)
     prefill(c, r0)
     finish(c, r0)
-    r1 = ModelReq(toks(0, 20) + [8], prefix_len=20)
+    r0b = ModelReq(toks(0, 15) + [6])
+    prefill(c, r0b)
+    finish(c, r0b)
+    r1 = ModelReq(toks(0, 15) + toks(500, 10) + [8], prefix_len=25)
     prefill(c, r1)
-    assert c.last_admit.where == "hot" and c.last_admit.cached == 10
+    assert c.last_admit.where == "hot" and c.last_admit.cached == 15 and c.last_admit.promoted == 0
     finish(c, r1)
     check(c)
+    (slab_a,) = [n for n in c.nodes() if getattr(n, SLAB_ATTR, None) is not None and len(n.value) == 10
+                 and n.parent is c.root_node]
     hot_before = c.region.used_tokens
     # fill COLD: the allocator's shortfall is evicted from COLD leaves first, never from HOT
     rs = [ModelReq(toks(1000 + 100 * i, 20)) for i in range(3)]
@@ -237,7 +246,7 @@ def test_cold_eviction_never_frees_hot_slots_and_reaches_cold_above_hot():
     # asking for every evictable COLD token reaches the COLD node above the slab: it goes with it
     want = c.evictable_size()
     assert c.evict(want) == want
-    assert c.evictable_size() == 0 and c.region.used_tokens == 0 and c.nodes() == []
+    assert c.evictable_size() == 0 and c.region.used_tokens == 10 and c.nodes() == [slab_a]   # slab B went with it
     check(c)
 
 
@@ -267,24 +276,39 @@ def test_a_locked_hot_node_is_never_evicted_by_cold_pressure():
     check(c, [live])
 
 
-def test_a_chunked_prefix_is_kept_with_its_request_then_admitted_whole():
+def test_a_chunked_prefix_is_cached_cold_chunk_by_chunk_then_promoted_whole():
     a = ModelAllocator(400)
     c = ModelRadixCache(a, 8, 256, hot_fraction=0.25)
     r = ModelReq(toks(0, 64) + [5, 6], prefix_len=64)
     c.schedule(r)
     assert c.extend(r, 16)
     c.cache_unfinished_req(r, chunked=True)
-    assert c.nodes() == [] and r.prefix_indices.numel() == 16  # not cached yet: the request holds it
+    (node,) = c.nodes()                      # the first chunk, COLD: a request arriving now shares it
+    assert getattr(node, SLAB_ATTR, None) is None and len(node.value) == 16
     check(c, [r])
+    late = ModelReq(toks(0, 64) + [9], prefix_len=64)
+    assert c.schedule(late) and late.fill_len == 16
+    old = c.req_to_token[late.req_pool_idx, :16].to(torch.int64).clone()
     while r.fill_len < 66:
         assert c.extend(r, min(16, 66 - r.fill_len))
         if r.fill_len < 66:
             c.cache_unfinished_req(r, chunked=True)
     c.cache_unfinished_req(r)
-    assert c.last_admit.where == "hot" and c.last_admit.slab.length == 64
-    check(c, [r])
+    assert c.last_admit.where == "hot" and c.last_admit.promoted == 64 and c.last_admit.slab.length == 64
+    row = c.req_to_token[r.req_pool_idx, :64].to(torch.int64)   # the request reads one HOT run now
+    assert torch.equal(row, torch.arange(c.last_admit.slab.start, c.last_admit.slab.end))
+    # the old slots of the chunks only r held went back when r's lock moved; `late` still reads the first
+    assert c.hot.retired_tokens == 16 and torch.equal(c.req_to_token[late.req_pool_idx, :16].to(torch.int64), old)
+    check(c, [r, late])
     finish(c, r)
+    check(c, [late])
+    assert c.hot.retired_tokens == 16
+    assert c.extend(late, 65 - late.fill_len)
+    c.cache_unfinished_req(late)
+    assert c.last_admit.where == "hit"
+    finish(c, late)
     check(c)
+    assert c.hot.retired_tokens == 0 and c.hot.hot_locked == 0
 
 
 def test_the_default_prefix_length_names_every_long_enough_prompt():
@@ -344,9 +368,35 @@ def test_random_workload_keeps_every_invariant(seed, split):
                                                             hot_max_fraction=0.6, cold_watermark=0.05))
     prefixes = [toks(1000 * (i + 1), rnd.randint(4, 40)) for i in range(8)]
     running: list[ModelReq] = []
+    pending: dict = {}                       # requests mid chunked prefill (others run meanwhile) -> chunk
     for step in range(60):
         op = rnd.random()
-        if op < 0.45 and len(running) < 6:
+        done = [r for r in running if r not in pending]
+        if pending and op < 0.15:            # the next chunk of a prefill left half-way
+            req = rnd.choice(list(pending))
+            total = len(req.origin_input_ids)
+            if a.available_size() + c.evictable_size() > pending[req] + 2:
+                assert c.extend(req, min(pending[req], total - req.fill_len))
+                if req.fill_len < total:
+                    c.cache_unfinished_req(req, chunked=True)
+                else:
+                    c.cache_unfinished_req(req)
+                    del pending[req]
+        elif op < 0.25 and len(running) < 6:  # a chunked prefill that stops after its first chunk
+            p = rnd.choice(prefixes)
+            req = ModelReq(p + toks(rnd.randint(0, 10 ** 6) * 10, rnd.randint(1, 6)), prefix_len=len(p))
+            chunk = rnd.choice([4, 8])
+            if a.available_size() + c.evictable_size() < len(req.origin_input_ids) + 8 or not c.schedule(req):
+                continue
+            running.append(req)
+            if req.fill_len + chunk >= len(req.origin_input_ids):
+                assert c.extend(req, len(req.origin_input_ids) - req.fill_len)
+                c.cache_unfinished_req(req)
+            else:
+                assert c.extend(req, chunk)
+                c.cache_unfinished_req(req, chunked=True)
+                pending[req] = chunk
+        elif op < 0.45 and len(running) < 6:
             p = rnd.choice(prefixes)
             cut = rnd.choice([len(p), len(p), rnd.randint(1, len(p))])  # sometimes a shorter shared part
             req = ModelReq(p + toks(rnd.randint(0, 10 ** 6) * 10, rnd.randint(1, 6)),
@@ -360,20 +410,28 @@ def test_random_workload_keeps_every_invariant(seed, split):
             running.append(req)
             for start, node in locked_hot.items():  # a locked slab was neither evicted nor moved
                 assert not getattr(node, GONE_ATTR, False) and getattr(node, SLAB_ATTR).start == start
-        elif op < 0.75 and running:
-            req = rnd.choice(running)
+        elif op < 0.75 and done:
+            req = rnd.choice(done)
             if a.available_size() + c.evictable_size() > 2:
                 assert c.decode(req, rnd.randint(0, 99))
-        elif running:
-            req = running.pop(rnd.randrange(len(running)))
+        elif done:
+            req = rnd.choice(done)
+            running.remove(req)
             c.cache_finished_req(req, is_insert=rnd.random() < 0.9)
         elif rnd.random() < 0.2:
             c.evict(rnd.randint(1, 40))
         check(c, running)
-    for req in running:
+    for req in [r for r in running if r not in pending]:
+        c.cache_finished_req(req)
+    left = list(pending)
+    while left:                               # the rest of each prefill where there is room, else an abort
+        req = left.pop()
+        if c.extend(req, len(req.origin_input_ids) - req.fill_len):
+            c.cache_unfinished_req(req)
+        check(c, [req, *left])
         c.cache_finished_req(req)
     check(c)
-    assert c.hot.hot_locked == 0
+    assert c.hot.hot_locked == 0 and c.hot.retired_tokens == 0
     assert c.hot.counts["hot"] > 0
 
 
@@ -483,3 +541,28 @@ def test_cold_pressure_takes_free_hot_end_slots_before_any_cached_cold_prefix():
     assert c.hot.moves["shrunk"] > 0 and c.hot.cold_evictable(c.root_node) == cached_cold   # COLD kept
     assert c.region.capacity >= 20
     check(c, [big])
+
+
+def test_a_reader_of_promoted_slots_moving_its_lock_reads_the_slab_after():
+    """A request that matched a chunk before its prefix was promoted, then caches a chunk of its own:
+    the lock move inside ``cache_unfinished_req`` takes the last lock off the head and gives its old
+    slots back, so the request's row must be rewritten over the head too (SGLang rewrites only past
+    what it had matched), or it would read slots the next allocation hands out."""
+    a = ModelAllocator(200)
+    c = ModelRadixCache(a, 8, 256, hot_fraction=0.25)
+    r = ModelReq(toks(0, 32) + [5], prefix_len=32)
+    c.schedule(r)
+    assert c.extend(r, 16)
+    c.cache_unfinished_req(r, chunked=True)
+    late = ModelReq(toks(0, 32) + toks(600, 20), prefix_len=32)
+    assert c.schedule(late) and late.fill_len == 16
+    assert c.extend(r, 17)
+    c.cache_unfinished_req(r)                 # promoted; `late` alone holds the first chunk's old slots
+    finish(c, r)
+    assert c.hot.retired_tokens == 16
+    assert c.extend(late, 8)
+    c.cache_unfinished_req(late, chunked=True)
+    assert c.hot.retired_tokens == 0          # given back at the lock move
+    other = ModelReq(toks(900, a.available_size()))
+    prefill(c, other)                         # every free slot, the ones just given back among them
+    check(c, [late, other])                   # `late`'s row still reads its own tokens

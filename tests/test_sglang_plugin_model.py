@@ -146,6 +146,7 @@ class ModelRadixCache:
                                delete_leaf=self._delete_leaf, split=self.settings.split_policy(allocator.size))
         self.evictable_leaves = set()
         self._hot_len = 0
+        self._promoted = False
         self.reset()
         orig_clear = allocator.clear
 
@@ -232,7 +233,8 @@ class ModelRadixCache:
         if n:
             self.last_admit = self.hot.admit_prefix(
                 key, value, n, match=self.match_prefix, insert=lambda k, v: self._raw_insert(k, v)[1],
-                lock=self.inc_lock_ref, unlock=self.dec_lock_ref, copy_rows=self._copy_rows)
+                lock=self.inc_lock_ref, unlock=self.dec_lock_ref, copy_rows=self._copy_rows, promote=True)
+            self._promoted = self.last_admit.promoted > 0
         return self._raw_insert(key, value)
 
     def _copy_rows(self, dst, src):
@@ -251,6 +253,7 @@ class ModelRadixCache:
 
     def dec_lock_ref(self, node):
         self.hot.before_unlock(node)
+        start = node
         while node is not self.root_node:
             if node.lock_ref == 1:
                 self.evictable_size_ += len(node.key)
@@ -259,6 +262,7 @@ class ModelRadixCache:
             assert node.lock_ref >= 0
             self._update_leaf_status(node)
             node = node.parent
+        self.hot.after_unlock(start)  # GraniKVRadixCache.dec_lock_ref
 
     def _delete_leaf(self, node):
         v = node.parent.children.pop(node.key[0], None)
@@ -284,17 +288,17 @@ class ModelRadixCache:
         return self.evictable_size_ - self.hot.hot_evictable + self.hot.shrinkable
 
     def protected_size(self):  # GraniKVRadixCache.protected_size
-        return self.protected_size_ - self.hot.hot_locked + self.region.capacity - self.hot.shrinkable
+        return (self.protected_size_ - self.hot.hot_locked + self.region.capacity - self.hot.shrinkable
+                + self.hot.retired_tokens)
 
     # -------------------------------------------------- requests (the scheduler's side)
     def _prefix_len(self, req):
         return shared_prefix_len(req.custom_params, len(req.origin_input_ids), self.settings)
 
     def cache_unfinished_req(self, req, chunked=False):
-        n = self._prefix_len(req)
-        if chunked and 0 < n <= self.region.capacity and req.cache_protected_len < n:
-            req.prefix_indices = self.req_to_token[req.req_pool_idx, : req.fill_len].to(torch.int64)
-            return
+        n = 0 if chunked else self._prefix_len(req)   # a middle chunk: cached COLD (GraniKVRadixCache)
+        self._promoted = False
+        retired = self.hot.retired_tokens > 0
         self._hot_len = n
         token_ids = req.get_fill_ids()
         kv = self.req_to_token[req.req_pool_idx, : len(token_ids)]
@@ -311,6 +315,9 @@ class ModelRadixCache:
         self.inc_lock_ref(new_last)
         req.prefix_indices = new_indices
         req.last_node = new_last
+        if self._promoted or retired:   # GraniKVRadixCache: the row from the fresh match, head included
+            self.req_to_token[req.req_pool_idx, : len(new_indices)] = new_indices.to(torch.int32)
+            self._promoted = False
 
     def cache_finished_req(self, req, is_insert=True):
         n = self._prefix_len(req)

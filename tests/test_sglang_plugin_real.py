@@ -9,6 +9,7 @@ SGLang's source on the path. No model, no forward pass, no CUDA: KV rows are wri
 """
 from __future__ import annotations
 
+import os
 import random
 from array import array
 from types import SimpleNamespace
@@ -135,7 +136,9 @@ class Server:
                    for r in self.running]
         nodes = self.nodes()
         cold = [n.value for n in nodes if getattr(n, SLAB_ATTR, None) is None]
-        owned = torch.cat([a.free_pages, a.release_pages, region.slots()] + cold + private)
+        retired = c.hot.retired_slots(nodes)       # promoted nodes' old slots, in running requests' rows
+        assert sum(len(r) for r in retired) == c.hot.retired_tokens
+        owned = torch.cat([a.free_pages, a.release_pages, region.slots()] + cold + private + retired)
         assert sorted(owned.tolist()) == list(range(1, self.size + 1)), "a slot is owned twice or by no one"
         assert region.free_tokens + region.used_tokens == region.capacity
         for n in nodes:
@@ -162,6 +165,11 @@ class Server:
             assert torch.equal(self.kv.k_buffer[0][n.value, 0], want)
             assert torch.equal(self.kv.v_buffer[0][n.value, 0], want.flip(1))
             stack.extend((ch, d + len(n.key)) for ch in n.children.values())
+        for r in self.running:                 # every running request's row reads its own tokens
+            row = self.r2t.req_to_token[r.req_pool_idx, : r.fill_len].to(torch.int64)
+            ids = (r.origin_input_ids + r.output_ids)[: r.fill_len]
+            assert torch.equal(self.kv.k_buffer[0][row, 0, 0], torch.tensor(list(ids), dtype=torch.float32))
+            assert torch.equal(self.kv.k_buffer[0][row, 0, 1], torch.arange(r.fill_len).float())
 
 
 def toks(start, n):
@@ -253,13 +261,14 @@ def test_chunked_prefill_then_flush(monkeypatch):
     s.schedule(r)
     s.extend(r, 32)
     s.cache.cache_unfinished_req(r, chunked=True)
-    assert s.nodes() == [] and r.prefix_indices.numel() == 32
+    (node,) = s.nodes()                       # the first chunk, cached COLD as SGLang caches it
+    assert getattr(node, SLAB_ATTR, None) is None and len(node.value) == 32 and r.prefix_indices.numel() == 32
     s.check()
     s.extend(r, 32)
     s.cache.cache_unfinished_req(r, chunked=True)
     s.extend(r, 9)
     s.cache.cache_unfinished_req(r)
-    assert s.cache.hot.counts["hot"] == 1
+    assert s.cache.hot.counts["hot"] == 1 and s.cache.hot.counts["promoted"] == 1
     assert s.r2t.req_to_token[r.req_pool_idx, :70].tolist() == list(range(1, 71))
     s.check()
     s.finish(r)
@@ -272,9 +281,6 @@ def test_chunked_prefill_then_flush(monkeypatch):
     s.check()
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: a named prefix longer than one prefill chunk is kept with its "
-                   "request until whole (granikv.sglang_plugin.cache.GraniKVRadixCache.cache_unfinished_req), so a "
-                   "request arriving meanwhile shares none of it; SGLang's RadixCache shares the first chunk")
 def test_a_request_arriving_mid_chunked_prefill_shares_the_first_chunk(monkeypatch):
     s = Server(size=400, hot_fraction=0.3, monkeypatch=monkeypatch)
     r1 = Req(toks(0, 70) + [5, 6], prefix_len=70)
@@ -284,17 +290,79 @@ def test_a_request_arriving_mid_chunked_prefill_shares_the_first_chunk(monkeypat
     r2 = Req(toks(0, 70) + [8], prefix_len=70)
     s.schedule(r2)
     assert r2.fill_len == 32          # what SGLang's own RadixCache gives (checked there by the same steps)
+    s.check()
 
 
-@pytest.mark.parametrize("seed", range(3))
+def test_a_chunked_prefix_is_promoted_whole_into_one_slab_and_its_old_slots_wait_for_their_readers(monkeypatch):
+    """Chunk by chunk COLD, then, once the prefill is done, one HOT run: the head's nodes point at
+    the slab, the first request's row is rewritten to it, and the head's old slots stay allocated
+    while a request that matched them mid-prefill runs (its row still reads them), then go back."""
+    s = Server(size=400, hot_fraction=0.3, monkeypatch=monkeypatch)
+    r1 = Req(toks(0, 70) + [5, 6], prefix_len=70)
+    s.schedule(r1)
+    s.extend(r1, 32)
+    s.cache.cache_unfinished_req(r1, chunked=True)
+    old_head = s.r2t.req_to_token[r1.req_pool_idx, :32].to(torch.int64).clone()
+    r2 = Req(toks(0, 70) + [8], prefix_len=70)        # arrives mid-prefill: shares the first chunk
+    s.schedule(r2)
+    s.extend(r1, 40)
+    s.cache.cache_unfinished_req(r1)                  # r1's prefill done: the prefix goes HOT, whole
+    s.check()
+    row = s.r2t.req_to_token[r1.req_pool_idx, :70].to(torch.int64)
+    assert torch.equal(row, torch.arange(int(row[0]), int(row[0]) + 70))            # one contiguous run
+    assert s.cache.region.start <= int(row[0]) and int(row[-1]) < s.cache.region.end
+    assert s.cache.hot.counts["promoted"] == 1 and s.cache.hot.retired_tokens == 32
+    assert torch.equal(s.r2t.req_to_token[r2.req_pool_idx, :32].to(torch.int64), old_head)   # r2 reads the old
+    free_before = s.alloc.available_size()
+    s.finish(r1)
+    s.check()
+    assert s.cache.hot.retired_tokens == 32           # r2 still holds them
+    s.extend(r2, len(r2.origin_input_ids) - r2.fill_len)
+    s.cache.cache_unfinished_req(r2)
+    s.finish(r2)
+    s.check()
+    assert s.cache.hot.retired_tokens == 0 and s.alloc.available_size() > free_before
+    r3 = Req(toks(0, 70) + [9], prefix_len=70)        # a later request: the whole prefix, HOT
+    s.schedule(r3)
+    got = s.r2t.req_to_token[r3.req_pool_idx, :70].to(torch.int64)
+    assert r3.fill_len == 70 and torch.equal(got, row)
+    s.check()
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("GRANIKV_FUZZ_SEEDS", "6"))))
 def test_random_workload_on_sglangs_radix_cache(monkeypatch, seed):
     rnd = random.Random(seed)
     s = Server(size=240, hot_fraction=rnd.choice([0.15, 0.3]), max_reqs=12, max_len=128,
                need_sort=bool(seed % 2), monkeypatch=monkeypatch)
     prefixes = [toks(1000 * (i + 1), rnd.randint(4, 40)) for i in range(8)]
+    pending: dict = {}                        # requests mid chunked prefill -> their chunk size
     for _ in range(50):
         op = rnd.random()
-        if op < 0.45 and len(s.running) < 6:
+        if pending and op < 0.2:              # the next chunk of a prefill left half-way (others ran meanwhile)
+            req = rnd.choice(list(pending))
+            if s.alloc.available_size() + s.cache.evictable_size() > pending[req] + 2:
+                total = len(req.origin_input_ids)
+                s.extend(req, min(pending[req], total - req.fill_len))
+                if req.fill_len < total:
+                    s.cache.cache_unfinished_req(req, chunked=True)
+                else:
+                    s.cache.cache_unfinished_req(req)
+                    del pending[req]
+        elif op < 0.3 and len(s.running) < 6:   # a chunked prefill that stops after its first chunk
+            p = rnd.choice(prefixes)
+            req = Req(p + toks(rnd.randint(0, 10 ** 6) * 10, rnd.randint(1, 6)), prefix_len=len(p))
+            chunk = rnd.choice([4, 8])
+            if s.alloc.available_size() + s.cache.evictable_size() < len(req.origin_input_ids) + 8:
+                continue
+            s.schedule(req)
+            if req.fill_len + chunk >= len(req.origin_input_ids):
+                s.extend(req, len(req.origin_input_ids) - req.fill_len)
+                s.cache.cache_unfinished_req(req)
+            else:
+                s.extend(req, chunk)
+                s.cache.cache_unfinished_req(req, chunked=True)
+                pending[req] = chunk
+        elif op < 0.55 and len(s.running) < 6:
             p = rnd.choice(prefixes)
             req = Req(p + toks(rnd.randint(0, 10 ** 6) * 10, rnd.randint(1, 6)),
                       prefix_len=rnd.choice([len(p), len(p), rnd.randint(1, len(p)), None]))
@@ -305,13 +373,19 @@ def test_random_workload_on_sglangs_radix_cache(monkeypatch, seed):
             s.prefill(req, chunk=rnd.choice([None, 8, 16]))
             assert [getattr(n, SLAB_ATTR).start for n in locked] == starts
             assert not any(getattr(n, GONE_ATTR, False) for n in locked)
-        elif op < 0.75 and s.running:
-            req = rnd.choice(s.running)
+        elif op < 0.75 and [r for r in s.running if r not in pending]:
+            req = rnd.choice([r for r in s.running if r not in pending])
             if s.alloc.available_size() + s.cache.evictable_size() > 2:
                 req.output_ids.append(rnd.randint(0, 99))
                 s.extend(req, 1)
-        elif s.running:
-            s.finish(rnd.choice(s.running), out=0, is_insert=rnd.random() < 0.9)
+        elif [r for r in s.running if r not in pending]:
+            s.finish(rnd.choice([r for r in s.running if r not in pending]), out=0, is_insert=rnd.random() < 0.9)
+        s.check()
+    for r in [r for r in s.running if r not in pending]:
+        s.finish(r, out=0)
+    for req in list(pending):                 # finish the prefills left half-way
+        s.extend(req, len(req.origin_input_ids) - req.fill_len)
+        s.cache.cache_unfinished_req(req)
         s.check()
     for r in list(s.running):
         s.finish(r, out=0)

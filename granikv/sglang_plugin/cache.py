@@ -52,6 +52,11 @@ class GraniKVRadixCache(RadixCache):
     its COLD slots freed (by ``RadixCache.cache_(un)finished_req`` itself, since ``insert``
     reports them as already cached); the request's ``req_to_token`` row is rewritten to the
     slab by ``cache_unfinished_req`` as usual. No extent: the prefix stays COLD.
+
+    A prefix longer than one prefill chunk is cached COLD chunk by chunk, as SGLang caches it
+    (a request arriving meanwhile shares the chunks done), and promoted whole into one slab when
+    the prefill is done (:meth:`HotColdTree.admit_prefix` with ``promote``): the old COLD slots of
+    its head stay allocated until the last request that may read them lets go of the head.
     """
 
     def __init__(self, params: CacheInitParams, settings: PluginSettings):
@@ -68,6 +73,7 @@ class GraniKVRadixCache(RadixCache):
             raise ValueError(f"--radix-cache-backend granikv needs per-layer NHD k_buffer/v_buffer, got {type(kv).__name__}")
         self.settings = settings
         self._hot_len = 0  # the shared-prefix length of the request being cached (0: none)
+        self._promoted = False  # the last admission moved a cached COLD head into its slab
         self.region = HotRegion(alloc, HotRegion.tokens_for(alloc.size, settings.hot_fraction))
         self.hot = HotColdTree(self.region, free_cold=lambda v: alloc.free_segment(v, start_pos=0),
                                delete_leaf=self._evict_leaf, split=settings.split_policy(alloc.size))
@@ -102,35 +108,45 @@ class GraniKVRadixCache(RadixCache):
 
     def cache_unfinished_req(self, req, chunked=False, **kwargs):
         n = 0 if self.disable else self._prefix_len(req)
-        if chunked and 0 < n <= self.region.capacity and req.cache_protected_len < n:
-            # A middle chunk of a named prefix: keep its KV with the request (as ChunkCache does)
-            # until the prefill is done, so that the prefix is admitted once, whole, from rows
-            # that the finished forward has written (an in-flight chunk's rows may not be yet).
-            kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(req.get_fill_ids())]
-            req.prefix_indices = kv.to(dtype=torch.int64, copy=True)
-            return
+        if chunked:
+            # A middle chunk: cached COLD, as SGLang caches it, so that requests arriving meanwhile
+            # share it (no copy: under the overlap schedule this chunk's forward may still be
+            # running). A named prefix is admitted, or promoted into one slab, once the request's
+            # prefill is done (the call without ``chunked``, after its forward).
+            n = 0
         self._hot_len = n
+        self._promoted = False
+        retired = self.hot.retired_tokens > 0
         try:
-            return super().cache_unfinished_req(req, chunked=chunked, **kwargs)
+            out = super().cache_unfinished_req(req, chunked=chunked, **kwargs)
         finally:
             self._hot_len = 0
+        if self._promoted or retired:
+            # SGLang rewrites the row only past the part it had matched. When a head moved to a slab
+            # (here, or earlier while this request held its old slots, which the lock move above may
+            # just have given back), the row is rewritten from the fresh match, head included.
+            self.req_to_token_pool.write((req.req_pool_idx, slice(0, len(req.prefix_indices))),
+                                         req.prefix_indices.to(torch.int32))
+            self._promoted = False
+        return out
 
     def cache_finished_req(self, req, is_insert: bool = True, **kwargs):
         self._hot_len = 0 if self.disable else self._prefix_len(req)
         try:
             return super().cache_finished_req(req, is_insert, **kwargs)
         finally:
-            self._hot_len = 0
+            self._hot_len, self._promoted = 0, False
 
     def insert(self, params: InsertParams) -> InsertResult:
         n, self._hot_len = self._hot_len, 0  # the prefix's own insert below must not admit again
         if n and not self.disable and params.value is not None and not params.key.is_bigram:
-            self.hot.admit_prefix(
+            res = self.hot.admit_prefix(
                 params.key, params.value, n,
                 match=self._match_for_admit,
                 insert=lambda k, v: super(GraniKVRadixCache, self).insert(
                     InsertParams(key=k, value=v, priority=params.priority)).last_device_node,
-                lock=self.inc_lock_ref, unlock=self.dec_lock_ref, copy_rows=self._copy_rows)
+                lock=self.inc_lock_ref, unlock=self.dec_lock_ref, copy_rows=self._copy_rows, promote=True)
+            self._promoted = res.promoted > 0
         return super().insert(params)
 
     def _match_for_admit(self, prefix):
@@ -162,7 +178,10 @@ class GraniKVRadixCache(RadixCache):
     def dec_lock_ref(self, node, params: Optional[DecLockRefParams] = None):
         if not self.disable:
             self.hot.before_unlock(node)
-        return super().dec_lock_ref(node, params)
+        out = super().dec_lock_ref(node, params)
+        if not self.disable:
+            self.hot.after_unlock(node)   # a promoted node's old slots, once no request holds them
+        return out
 
     # ------------------------------------------------------------------ accounting
     # SGLang's check: allocator.available_size() + evictable_size() + protected_size() (+ what
@@ -173,7 +192,8 @@ class GraniKVRadixCache(RadixCache):
         return self.evictable_size_ - self.hot.hot_evictable + self.hot.shrinkable
 
     def protected_size(self):
-        return self.protected_size_ - self.hot.hot_locked + self.region.capacity - self.hot.shrinkable
+        return (self.protected_size_ - self.hot.hot_locked + self.region.capacity - self.hot.shrinkable
+                + self.hot.retired_tokens)   # retired COLD slots: in running requests' rows, in no node
 
     def slab_table(self, device: Any = None):
         """The live slab table ``(start, length, slab_id)`` for the attention backend."""

@@ -21,6 +21,14 @@ so ``lock_ref == 0`` means the whole subtree is unlocked), ``value`` (1-D int64 
 ids, one per token), ``last_access_time``. HOT nodes carry the attribute ``granikv_slab``
 (:data:`SLAB_ATTR`), set by :meth:`HotColdTree.register` and copied onto the upper half of a
 split by :meth:`HotColdTree.on_split`.
+
+Promotion. A shared prefix longer than one prefill chunk is cached chunk by chunk in COLD slots,
+as SGLang caches it, so that requests arriving meanwhile share the chunks done so far. When the
+prefix is whole, :meth:`HotColdTree.admit_prefix` copies it, cached head and new tail, into one
+slab and points the head's nodes at it: the prefix becomes one HOT run. The head's old COLD slots
+may still be in the rows of the requests that matched them; they stay with their node
+(:data:`RETIRED_ATTR`) until no lock is left on it (:meth:`HotColdTree.after_unlock`), then go
+back to the allocator.
 """
 from __future__ import annotations
 
@@ -36,6 +44,7 @@ from granikv.kv.split_policy import SplitPolicy
 
 SLAB_ATTR = "granikv_slab"
 GONE_ATTR = "granikv_evicted"  # set on a node once this core evicted it
+RETIRED_ATTR = "granikv_retired"  # a promoted node's old COLD slots, freed once the node is unlocked
 
 
 class TokenAllocator(Protocol):
@@ -226,6 +235,7 @@ class AdmitResult:
     node: Any = None
     src: torch.Tensor | None = None
     dst: torch.Tensor | None = None
+    promoted: int = 0   # cached COLD head tokens moved into the slab with the tail ("hot" only)
 
 
 class HotColdTree:
@@ -247,7 +257,8 @@ class HotColdTree:
         self._delete_leaf = delete_leaf
         self._bottom: dict[int, Any] = {}  # slab start -> the lowest node holding its slots
         self.hot_locked = 0
-        self.counts = {"hit": 0, "hot": 0, "cold": 0}  # admissions by outcome
+        self.counts = {"hit": 0, "hot": 0, "cold": 0, "promoted": 0}  # admissions by outcome
+        self.retired_tokens = 0  # old COLD slots of promoted nodes, not yet given back
         self.evicted_hot_tokens = 0
         self.evicted_cold_tokens = 0
         self._seq = itertools.count()
@@ -270,6 +281,41 @@ class HotColdTree:
         slab = self.slab_of(lower)
         if slab is not None:
             setattr(upper, SLAB_ATTR, slab)
+        old = getattr(lower, RETIRED_ATTR, None)
+        if old is not None:           # the retired slots follow their tokens: the upper part's go up
+            k = len(upper.value)
+            setattr(upper, RETIRED_ATTR, old[:k])
+            setattr(lower, RETIRED_ATTR, old[k:])
+
+    def after_unlock(self, node) -> None:
+        """Called right after the index took a lock off ``node``'s path: a promoted node left with
+        no lock gives its old COLD slots back (no request's row can hold them any more)."""
+        if self.retired_tokens == 0:
+            return
+        n = node
+        while n is not None and n.parent is not None:
+            old = getattr(n, RETIRED_ATTR, None)
+            if old is not None and n.lock_ref == 0:
+                self._free_cold(old)
+                self.retired_tokens -= len(old)
+                delattr(n, RETIRED_ATTR)
+            n = n.parent
+
+    def retired_slots(self, nodes: Iterable) -> list[torch.Tensor]:
+        """The retired slots held by ``nodes`` (for accounting checks)."""
+        return [getattr(n, RETIRED_ATTR) for n in nodes if getattr(n, RETIRED_ATTR, None) is not None]
+
+    def _cold_head(self, node, cached: int) -> list | None:
+        """The nodes holding the matched ``cached`` tokens ending at ``node``, top first, when every
+        one is COLD and none holds retired slots already; else None."""
+        path, n = [], node
+        while n is not None and n.parent is not None:
+            if self.slab_of(n) is not None or getattr(n, RETIRED_ATTR, None) is not None:
+                return None
+            path.append(n)
+            n = n.parent
+        path.reverse()
+        return path if sum(len(p.value) for p in path) == cached else None
 
     def top(self, node):
         """The uppermost node of ``node``'s slab (the slab's nodes are one chain)."""
@@ -311,6 +357,7 @@ class HotColdTree:
     def reset(self) -> None:
         self._bottom.clear()
         self.hot_locked = 0
+        self.retired_tokens = 0   # the index is emptied and the allocator re-lists every slot
         self.region.reset()
 
     def live_slabs(self) -> dict[int, Any]:
@@ -373,7 +420,8 @@ class HotColdTree:
                      match: Callable[[Sequence], tuple[torch.Tensor, Any]],
                      insert: Callable[[Sequence, torch.Tensor], Any],
                      lock: Callable[[Any], None], unlock: Callable[[Any], None],
-                     copy_rows: Callable[[torch.Tensor, torch.Tensor], None]) -> AdmitResult:
+                     copy_rows: Callable[[torch.Tensor, torch.Tensor], None],
+                     promote: bool = False) -> AdmitResult:
         """Admit the shared prefix ``key[:n]`` whose KV sits at COLD slots ``value[:n]``.
 
         ``match(prefix) -> (cached_slots, node)`` is the index's longest match (it may split);
@@ -382,6 +430,11 @@ class HotColdTree:
         ``copy_rows(dst, src)`` copies the KV rows of every layer. On ``"hot"`` the tail
         ``[cached, n)`` is cached at a new slab, and ``value[cached:n]`` (``result.src``) is no
         longer the index's: the caller gives it back to the allocator.
+
+        ``promote``: when the cached head is all COLD (a prefix cached chunk by chunk), the slab
+        takes the whole prefix: the head's rows are copied too, its nodes point at the slab, and
+        their old slots are retired (the module docstring). The caller must hold a lock on the
+        head (the request being cached does) and rewrite that request's row over the head.
         """
         n = min(int(n), len(key))
         if n <= 0:
@@ -389,9 +442,12 @@ class HotColdTree:
         prefix = key[:n]
         cached_slots, node = match(prefix)
         cached = len(cached_slots)
-        if cached >= n:
+        head = self._cold_head(node, cached) if promote and cached > 0 else None
+        if cached >= n and head is None:
             self.counts["hit"] += 1
             return AdmitResult("hit", cached, node=node)
+        if head is not None:
+            return self._promote(prefix, value, n, cached_slots, node, head, insert, lock, unlock, copy_rows)
         lock(node)  # pin the cached part while room is made
         try:
             slab = self.alloc_slab(n - cached)
@@ -407,6 +463,40 @@ class HotColdTree:
         self.register(new, slab)
         self.counts["hot"] += 1
         return AdmitResult("hot", cached, slab, new, src, dst)
+
+    def _promote(self, prefix, value, n, cached_slots, node, head, insert, lock, unlock, copy_rows) -> AdmitResult:
+        cached = len(cached_slots)     # <= n: match() was asked for key[:n]
+        lock(node)
+        try:
+            slab = self.alloc_slab(n)
+        finally:
+            unlock(node)
+        if slab is None or any(getattr(h, GONE_ATTR, False) for h in head):
+            if slab is not None:       # making room evicted part of the head: the plain admission then
+                self.region.free(slab)
+            self.counts["cold"] += 1
+            return AdmitResult("cold", cached, node=node)
+        cached = min(cached, n)        # a prefix cached whole, chunk by chunk: nothing new to cache
+        cached_slots = cached_slots[:cached]
+        src = torch.cat((cached_slots.to(torch.int64).to(value.device), value[cached:n].to(torch.int64)))
+        dst = torch.arange(slab.start, slab.end, dtype=torch.int64, device=src.device)   # [n]
+        copy_rows(dst, src)
+        at = 0
+        for h in head:                 # point the head at the slab; its old slots wait for its last lock
+            k = len(h.value)
+            setattr(h, RETIRED_ATTR, h.value)
+            h.value = dst[at:at + k].to(h.value.device)
+            setattr(h, SLAB_ATTR, slab)
+            if h.lock_ref > 0:
+                self.hot_locked += k
+            self.retired_tokens += k
+            at += k
+        new = insert(prefix, dst.to(cached_slots.device))
+        setattr(new, SLAB_ATTR, slab)
+        self._bottom[slab.start] = new
+        self.counts["hot"] += 1
+        self.counts["promoted"] += 1
+        return AdmitResult("hot", cached, slab, new, src[cached:], dst[cached:], promoted=cached)
 
     # ------------------------------------------------------------------ eviction
     def _drop_subtree(self, top) -> tuple[int, int]:
