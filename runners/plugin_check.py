@@ -1,7 +1,7 @@
 """GPU check of the GraniKV SGLang plugin: one served batch, the plugin's decode against SGLang's own.
 
     python -m runners.plugin_check --out DIR [--system sglang_server_granikv] [--prefix-len 4096]
-           [--batch 32] [--steps 4] [--fast-start none|ref|both] [override ...]
+           [--batch 32] [--steps 4] [--fast-start none|ref|both] [--together] [override ...]
 
 Two servers of the same cell config, one after the other: the reference ``system=sglang_server``
 (SGLang's FlashInfer backend, its default full decode CUDA graphs) and the plugin system (its
@@ -62,7 +62,8 @@ def traffic(prefix_len: int, batch: int, vocab: int, seed: int = 0) -> tuple[lis
     return prefix, suffixes, ids
 
 
-async def serve(url: str, prompts: list[list[int]], prefix_len: int, out_len: int, ids: list[int]) -> list[dict]:
+async def serve(url: str, prompts: list[list[int]], prefix_len: int, out_len: int, ids: list[int],
+                together: bool = False) -> list[dict]:
     import aiohttp
 
     async def one(session, p):
@@ -76,6 +77,8 @@ async def serve(url: str, prompts: list[list[int]], prefix_len: int, out_len: in
 
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as s:
+        if together:      # the batch arrives while the first request's (chunked) prefill runs
+            return list(await asyncio.gather(*(one(s, p) for p in prompts)))[1:]
         await one(s, prompts[0])                                   # caches the shared prefix
         return list(await asyncio.gather(*(one(s, p) for p in prompts[1:])))
 
@@ -112,7 +115,8 @@ def compare(ref: list[dict], got: list[dict], ids: list[int], steps: int) -> dic
             "requests_same_tokens": sum(1 for r in per_req if r["same_tokens"])}
 
 
-def run_one(rc, fast_start: bool, prompts, prefix_len, out_len, ids, stop: bool) -> tuple[list[dict], dict, dict]:
+def run_one(rc, fast_start: bool, prompts, prefix_len, out_len, ids, stop: bool,
+            together: bool = False) -> tuple[list[dict], dict, dict]:
     from granikv.serving import server as srvmod
 
     spec = srvmod.server_spec(rc)
@@ -129,7 +133,7 @@ def run_one(rc, fast_start: bool, prompts, prefix_len, out_len, ids, stop: bool)
     info = {"argv": list(spec.argv), "env": dict(spec.env), "start_s": srv.started_s, "adopted": srv.adopted}
     try:
         t1 = time.monotonic()
-        out = asyncio.run(serve(srv.url, prompts, prefix_len, out_len, ids))
+        out = asyncio.run(serve(srv.url, prompts, prefix_len, out_len, ids, together))
         info["serve_s"] = time.monotonic() - t1   # a cold JIT build of a path's kernels lands here
         print(f"plugin_check: {rc.system.name} served {len(prompts)} requests in {info['serve_s']:.0f} s", flush=True)
         stats = None
@@ -164,13 +168,18 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--fast-start", choices=("none", "ref", "both"), default="none")
+    ap.add_argument("--together", action="store_true",
+                    help="send the first request with the batch: with --prefix-len over one prefill chunk "
+                         "(hardware.chunked_prefill_size) requests arrive mid-prefill and share its chunks, "
+                         "which checks the plugin's promotion of a chunked prefix into one slab")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of both servers' cell, e.g. hardware=h200")
     a = ap.parse_args(argv)
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     base = ["sweep=headline", *a.overrides]
     report: dict = {"system": a.system, "prefix_len": a.prefix_len, "batch": a.batch, "steps": a.steps,
-                    "fast_start": a.fast_start, "tolerance": TOL, "overrides": list(a.overrides)}
+                    "fast_start": a.fast_start, "together": a.together, "tolerance": TOL,
+                    "overrides": list(a.overrides)}
     from granikv.rawio import provenance
 
     report["provenance"] = provenance(cuda_probe=False)   # no CUDA context here: the servers own the GPU
@@ -179,10 +188,12 @@ def main(argv=None) -> int:
         rc = compose([*base, f"system={a.system}"])
         prefix, suffixes, ids = traffic(a.prefix_len, a.batch, rc.model.vocab_size)
         prompts = [prefix + s for s in suffixes]
-        ref, _, ref_info = run_one(ref_rc, a.fast_start != "none", prompts, a.prefix_len, a.steps + 1, ids, stop=True)
+        ref, _, ref_info = run_one(ref_rc, a.fast_start != "none", prompts, a.prefix_len, a.steps + 1, ids, stop=True,
+                                   together=a.together)
         import os
         keep = os.environ.get("GRANIKV_SGLANG_KEEP") == "1"
-        got, stats, info = run_one(rc, a.fast_start == "both", prompts, a.prefix_len, a.steps + 1, ids, stop=not keep)
+        got, stats, info = run_one(rc, a.fast_start == "both", prompts, a.prefix_len, a.steps + 1, ids, stop=not keep,
+                                   together=a.together)
     except Exception as e:  # a server that would not start, a failed request: the check was not made
         report.update(status="not_run", error=f"{type(e).__name__}: {e}")
         details = getattr(e, "details", None)
