@@ -24,8 +24,8 @@
 #       carry=[".sgl_wheels/parts/sgl_wheels.tar.part-ac", ".sgl_fi_cache/parts/sgl_fi_cache.tar.xz.part-ac", ".gpu_site/py"])
 #
 # The FlashInfer JIT cache. SGLang's FlashInfer (0.6.15) compiles its kernels at first use: the
-# batch decode/prefill modules while the machine's first server starts (289 s against 72 s warm,
-# seen 2026-12-02), the plugin's dense prefix module (single prefill) at its first decode step
+# batch decode/prefill modules while the machine's first server starts (289 s against 72 s warm on
+# the H200), the plugin's dense prefix module (single prefill) at its first decode step
 # (a first warm-up of 90-114 s against 5-11 s). Every SGLang process this recipe starts (the sweeps'
 # servers, the gate, runners.plugin_check) shares one workspace, FLASHINFER_WORKSPACE_BASE=
 # .sgl_fi_cache (apart from the engine's .fi_cache: another FlashInfer version). sweep.sh packs it
