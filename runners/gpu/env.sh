@@ -33,6 +33,7 @@ export FLASHINFER_USE_CUDA_NORM=1   # FlashInfer's CUDA norm kernels (sgl-kernel
 export FLASHINFER_WORKSPACE_BASE=$ROOT/.fi_cache
 SITE=$ROOT/.gpu_site/site
 PY=${PYTHON:-python3}
+source "$(dirname "${BASH_SOURCE[0]}")/jit_cache.sh"   # jit_cache_pack / _restore, fix_site_mtimes
 
 gpu_env_setup() {
   if [ -n "${GRANIKV_ENV_CPU_TEST:-}" ]; then   # tests/test_gpu_scripts.py: the scripts' logic on CPU, no FlashInfer
@@ -53,16 +54,8 @@ gpu_env_setup() {
     [ -n "$WHL" ] || { echo "ERROR: .whl/apache_tvm_ffi-*.whl not carried"; return 2; }
     $PY -m pip install -q --no-deps --target "$SITE" "$WHL" || { echo "ERROR: pip install $WHL failed"; return 2; }
   fi
-  # The JIT cache is reused only when its object files are newer than every input (ninja's rule):
-  # pip stamps the tvm-ffi headers with the install time, which made every module rebuild on each
-  # fresh machine (~4 min, seen 2026-11-30). One fixed old mtime for the installed sources fixes that.
-  if [ ! -f "$SITE/.mtime_fixed" ]; then
-    find "$SITE" -exec touch -h -d '2020-01-01 00:00:00' {} + && touch "$SITE/.mtime_fixed"
-  fi
-  if ls "$FLASHINFER_WORKSPACE_BASE"/parts/fi_cache.tar.xz.part-* >/dev/null 2>&1 && [ ! -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then
-    cat "$FLASHINFER_WORKSPACE_BASE"/parts/fi_cache.tar.xz.part-* | tar -xJ -C "$FLASHINFER_WORKSPACE_BASE" \
-      && log "restored the FlashInfer JIT cache" || log "WARNING: could not restore the JIT cache (cold build)"
-  fi
+  fix_site_mtimes "$SITE"   # the tvm-ffi headers pip stamped would make every cached module rebuild
+  jit_cache_restore "$FLASHINFER_WORKSPACE_BASE" "$FLASHINFER_WORKSPACE_BASE/parts" fi_cache
   export PYTHONPATH=$ROOT:$SITE:$ROOT/.gpu_site/py${PYTHONPATH:+:$PYTHONPATH}
   $PY - <<'PYEOF' || { echo "ERROR: environment check failed (see above)"; return 2; }
 import torch, yaml, hydra, omegaconf, flashinfer, granikv
@@ -73,25 +66,5 @@ PYEOF
   log "environment ready"
 }
 
-# Pack the JIT cache into $OUT as <= MAX_PARTS parts of 14 MB (dropped, with a warning, if larger).
-# The whole cache travels (object files too) so ninja can relink a module correctly.
-pack_fi_cache() {
-  local MAX_PARTS=${1:-5}
-  [ -d "$FLASHINFER_WORKSPACE_BASE/.cache" ] || return 0
-  local STAGE
-  STAGE=$(mktemp -d)
-  cp -a "$FLASHINFER_WORKSPACE_BASE/.cache" "$STAGE/"
-  # Object files are kept: emptying them (to save space) left ninja linking modules whose
-  # instantiations were missing (undefined symbol at load, seen 2026-11-30), so the cache travels whole.
-  find "$STAGE/.cache" -name '*.lock' -delete
-  tar --format=posix -C "$STAGE" -cf - .cache | xz -T16 -6 > "$STAGE/fi_cache.tar.xz"
-  rm -f "$OUT"/fi_cache.tar.xz.part-*
-  split -b 14m "$STAGE/fi_cache.tar.xz" "$OUT/fi_cache.tar.xz.part-"
-  local NP
-  NP=$(ls "$OUT"/fi_cache.tar.xz.part-* | wc -l)
-  if [ "$NP" -gt "$MAX_PARTS" ]; then
-    log "WARNING: JIT cache needs $NP parts (> $MAX_PARTS allowed); dropping it from \$OUT"
-    rm -f "$OUT"/fi_cache.tar.xz.part-*
-  fi
-  rm -rf "$STAGE"
-}
+# Pack the JIT cache into $OUT as <= MAX_PARTS parts of 14 MB (none, with a warning, if larger).
+pack_fi_cache() { jit_cache_pack "$FLASHINFER_WORKSPACE_BASE" fi_cache "${1:-5}"; }

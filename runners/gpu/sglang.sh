@@ -44,6 +44,7 @@ export GRANIKV_SGLANG_KEEP=1 SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 SGL_ROOT=${SGL_ROOT:-$PWD}
 export FLASHINFER_WORKSPACE_BASE=$SGL_ROOT/.sgl_fi_cache   # one JIT cache for every SGLang process (above)
+source "$(dirname "${BASH_SOURCE[0]}")/jit_cache.sh"
 _slog() { echo "[sglang.sh +$(( $(date +%s) - ${T0:-$(date +%s)} ))s] $*"; }
 
 sglang_stage() {   # copy the parts this call carried out of the checkout (the next call's checkout replaces it)
@@ -62,37 +63,11 @@ sglang_stage() {   # copy the parts this call carried out of the checkout (the n
 }
 
 sglang_jit_restore() {   # the carried JIT cache -> $FLASHINFER_WORKSPACE_BASE/.cache (once; a missing part = a cold build)
-  mkdir -p "$FLASHINFER_WORKSPACE_BASE"
-  if [ ! -f "$SGL_SITE/.mtime_fixed" ]; then   # pip stamps the install time: ninja would rebuild every cached module
-    find "$SGL_SITE" -exec touch -h -d '2020-01-01 00:00:00' {} + && touch "$SGL_SITE/.mtime_fixed"
-  fi
-  [ -d "$FLASHINFER_WORKSPACE_BASE/.cache" ] && return 0
-  ls "$SGL_JIT_PARTS"/sgl_fi_cache.tar.xz.part-* >/dev/null 2>&1 || { _slog "no JIT cache carried: cold FlashInfer builds"; return 0; }
-  if cat "$SGL_JIT_PARTS"/sgl_fi_cache.tar.xz.part-* | tar -xJ -C "$FLASHINFER_WORKSPACE_BASE" 2>/dev/null; then
-    _slog "restored the FlashInfer JIT cache ($(du -sh "$FLASHINFER_WORKSPACE_BASE/.cache" | cut -f1))"
-  else
-    rm -rf "$FLASHINFER_WORKSPACE_BASE/.cache"
-    _slog "WARNING: the JIT cache parts do not make a whole archive (one not staged?): cold FlashInfer builds"
-  fi
+  fix_site_mtimes "$SGL_SITE"
+  jit_cache_restore "$FLASHINFER_WORKSPACE_BASE" "$SGL_JIT_PARTS" sgl_fi_cache
 }
 
-sglang_pack_jit() {   # $FLASHINFER_WORKSPACE_BASE/.cache -> $OUT/sgl_fi_cache.tar.xz.part-* (<= MAX_PARTS of 14 MiB)
-  local MAX_PARTS=${1:-3} STAGE NP D=${OUT:-/tmp/out} MIB=${GRANIKV_JIT_PART_MIB:-14}   # MIB: for the CPU test
-  [ -d "$FLASHINFER_WORKSPACE_BASE/.cache" ] || { _slog "no JIT cache to pack"; return 0; }
-  mkdir -p "$D"; STAGE=$(mktemp -d)
-  cp -a "$FLASHINFER_WORKSPACE_BASE/.cache" "$STAGE/" && find "$STAGE/.cache" -name '*.lock' -delete
-  tar --format=posix -C "$STAGE" -cf - .cache | xz -T0 -6 > "$STAGE/c.tar.xz"
-  rm -f "$D"/sgl_fi_cache.tar.xz.part-*
-  split -b "${MIB}m" "$STAGE/c.tar.xz" "$D/sgl_fi_cache.tar.xz.part-"
-  NP=$(ls "$D"/sgl_fi_cache.tar.xz.part-* | wc -l)
-  if [ "$NP" -gt "$MAX_PARTS" ]; then
-    _slog "WARNING: the JIT cache needs $NP parts (> $MAX_PARTS, one per staging call); not packed"
-    rm -f "$D"/sgl_fi_cache.tar.xz.part-*
-  else
-    _slog "packed the JIT cache: $NP part(s), $(du -h "$STAGE/c.tar.xz" | cut -f1)"
-  fi
-  rm -rf "$STAGE"
-}
+sglang_pack_jit() { jit_cache_pack "$FLASHINFER_WORKSPACE_BASE" sgl_fi_cache "${1:-3}"; }   # -> $OUT
 
 sglang_install() {   # idempotent: the parts -> wheels (sha256 checked) -> $SGL_SITE
   if [ -f "$SGL_SITE/.installed" ]; then _slog "SGLang already installed in $SGL_SITE"; return 0; fi
