@@ -327,6 +327,14 @@ class SGLangServer:
             data = f.read(None if end is None else max(end - start, 0))
         return data.decode(errors="replace").splitlines()
 
+    def take_start_log(self, max_lines: int) -> Optional[list[str]]:
+        """The start-up section of the log (its last ``max_lines`` lines), once, for a server this
+        process started; None for an adopted one or once taken."""
+        if self.ready_log_size is None:
+            return None
+        lines, self.ready_log_size = self.log_lines(0, self.ready_log_size)[-max_lines:], None
+        return lines
+
     def log_tail(self, n: int = LOG_TAIL) -> list[str]:
         if not self.log_path.exists():
             return []

@@ -78,10 +78,7 @@ class ServerEngine:
                               send_prefix_len=sc.send_prefix_len)
         srv.flush_cache()
         warm_stats = None
-        self.start_log = None                 # the server's start-up log, for the first cell of a server started here
-        if srv.ready_log_size is not None and not getattr(srv, "start_log_taken", False):
-            self.start_log = srv.log_lines(0, srv.ready_log_size)[-START_LOG_LINES:]
-            srv.start_log_taken = True
+        self.start_log = srv.take_start_log(START_LOG_LINES)   # the first cell of a server started here
         self.warmup_log = None
         if self.cfg.warmup_requests > 0:
             warm = warmup_requests(requests, self.cfg.warmup_requests, self.cfg.model.max_position_embeddings)
