@@ -465,19 +465,15 @@ class HotColdTree:
         return AdmitResult("hot", cached, slab, new, src, dst)
 
     def _promote(self, prefix, value, n, cached_slots, node, head, insert, lock, unlock, copy_rows) -> AdmitResult:
-        cached = len(cached_slots)     # <= n: match() was asked for key[:n]
+        cached = len(cached_slots)     # <= n (match() was asked for key[:n]); n: cached whole, chunk by chunk
         lock(node)
         try:
             slab = self.alloc_slab(n)
         finally:
             unlock(node)
-        if slab is None or any(getattr(h, GONE_ATTR, False) for h in head):
-            if slab is not None:       # making room evicted part of the head: the plain admission then
-                self.region.free(slab)
+        if slab is None:               # (the head is locked: making room never evicts it)
             self.counts["cold"] += 1
             return AdmitResult("cold", cached, node=node)
-        cached = min(cached, n)        # a prefix cached whole, chunk by chunk: nothing new to cache
-        cached_slots = cached_slots[:cached]
         src = torch.cat((cached_slots.to(torch.int64).to(value.device), value[cached:n].to(torch.int64)))
         dst = torch.arange(slab.start, slab.end, dtype=torch.int64, device=src.device)   # [n]
         copy_rows(dst, src)
