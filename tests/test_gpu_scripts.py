@@ -177,3 +177,62 @@ def test_sglang_jit_cache_travels_in_parts_and_is_restored_whole(tmp_path):
     assert (site / "flashinfer" / "prefill.cuh").stat().st_mtime < 1.6e9          # 2020-01-01
     r = _sgl(new, 'echo "ws=$FLASHINFER_WORKSPACE_BASE"', **env)
     assert f"ws={new}/.sgl_fi_cache" in r.stdout
+
+
+def _git_repo(g: Path) -> dict:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "cells"]):
+        subprocess.run(cmd, cwd=g, env=env, check=True)
+    return env
+
+
+def test_unpack_refuses_to_overwrite_a_committed_cell_unless_told(tmp_path):
+    """runners/gpu/unpack.sh: a call's raw parts unpack into results/raw, but a cell folder that
+    already has a committed metrics.json stops the whole unpack (nothing written) until
+    GRANIKV_UNPACK_REPLACE=1; JIT cache parts replace the older ones in .sgl_fi_cache/parts."""
+    g = tmp_path / "g"
+    old = g / "results" / "raw" / "sweep" / "rep=1,system=granikv"
+    old.mkdir(parents=True)
+    (old / "metrics.json").write_text('{"tok_s": 1}')
+    (g / ".sgl_fi_cache" / "parts").mkdir(parents=True)
+    (g / ".sgl_fi_cache" / "parts" / "sgl_fi_cache.tar.xz.part-ab").write_text("stale")
+    (g / ".gitignore").write_text("/.sgl_fi_cache/\n")
+    env = _git_repo(g)
+    # what the device call packed: the same cell measured again, and a new one
+    src = tmp_path / "src"
+    for name, body in (("rep=1,system=granikv", '{"tok_s": 2}'), ("rep=1,system=sglang_default", '{"tok_s": 3}')):
+        c = src / "results" / "raw" / "sweep" / name
+        c.mkdir(parents=True)
+        (c / "metrics.json").write_text(body)
+    (src / "results" / "raw" / "sweep" / "half").mkdir()  # no metrics.json: not a cell
+    files_at = tmp_path / "files_at"
+    files_at.mkdir()
+    blob = tmp_path / "raw.tar.gz"
+    with tarfile.open(blob, "w:gz") as t:
+        t.add(src / "results", arcname="results")
+    data = blob.read_bytes()
+    half = len(data) // 2
+    (files_at / "raw.tar.gz.part-aa").write_bytes(data[:half])
+    (files_at / "raw.tar.gz.part-ab").write_bytes(data[half:])
+    (files_at / "sgl_fi_cache.tar.xz.part-aa").write_text("fresh")
+    script = ROOT / "runners" / "gpu" / "unpack.sh"
+
+    refused = subprocess.run(["bash", str(script), str(files_at)], cwd=g, env=env, capture_output=True, text=True)
+    assert refused.returncode == 3, refused.stderr
+    assert "results/raw/sweep/rep=1,system=granikv" in refused.stderr
+    assert (old / "metrics.json").read_text() == '{"tok_s": 1}'
+    assert not (g / "results" / "raw" / "sweep" / "rep=1,system=sglang_default").exists()
+
+    done = subprocess.run(["bash", str(script), str(files_at)], cwd=g, env={**env, "GRANIKV_UNPACK_REPLACE": "1"},
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "2 cell folder(s)" in done.stdout and "1 replaced" in done.stdout
+    assert (old / "metrics.json").read_text() == '{"tok_s": 2}'
+    assert (g / "results" / "raw" / "sweep" / "rep=1,system=sglang_default" / "metrics.json").exists()
+    assert not (g / "results" / "raw" / "sweep" / "half").exists()
+    assert sorted(p.name for p in (g / ".sgl_fi_cache" / "parts").iterdir()) == ["sgl_fi_cache.tar.xz.part-aa"]
+
+    (files_at / "raw.tar.gz.part-ab").unlink()  # a part lost on the way
+    cut = subprocess.run(["bash", str(script), str(files_at)], cwd=g, env=env, capture_output=True, text=True)
+    assert cut.returncode == 2 and "a part missing" in cut.stderr

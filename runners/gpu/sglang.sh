@@ -6,8 +6,8 @@
 # runners/gpu/sglang_wheels.txt) is built once on a machine with internet,
 #   python runners/gpu/build_sgl_wheels.py      # -> .sgl_wheels/{whl/*.whl, whl/MANIFEST.txt, parts/}
 # (git-ignored) and travels in parts of <= 40 MiB, one part per device call (a call carries at most
-# 64 MiB with the checkout, results/raw left out: `git sparse-checkout set --no-cone '/*' '!/results/raw/'`,
-# `git sparse-checkout disable` after), each with one part of the FlashInfer JIT cache when there is one:
+# 64 MiB with the checkout: send it with `bash runners/gpu/slim_tree.sh on`, ~12 MiB, the cells' metrics.json
+# kept so that sweeps skip finished cells; `off` after), each with one part of the FlashInfer JIT cache:
 #   bash runners/gpu/sglang.sh stage        # in each call: copy the carried part(s) to /tmp/sgl_parts
 #   bash runners/gpu/sglang.sh install      # all parts there: check MANIFEST sha256, pip install --target /tmp/sgl_site,
 #                                           # restore the JIT cache

@@ -25,10 +25,11 @@
 # GRANIKV_GPU_SPLIT (below), GRANIKV_SKIP_FUSED_CHECK=1 (skip the gate: only on a warm machine that
 # passed it at the same commit), GRANIKV_NO_FI_PACK=1 (a later script of the call packs the JIT cache),
 # GRANIKV_NGPU (the GPU count, for the CPU tests of this script only).
-# Here: `for r in <files_at>/raw*.tar.gz.part-aa; do cat ${r%aa}* | tar -xz; done` in the repo root,
-# then commit results/raw. Unpack BEFORE the next call, even a chained one on the warm machine: each
-# call sends this checkout again, which drops the cells the last call wrote there, so cells not
-# unpacked here are run again (2026-12-01: four Qwen2.5-32B TP=2 cells, one 9-minute call, twice).
+# Here: `bash runners/gpu/unpack.sh <files_at>` in the repo root (it refuses to overwrite a committed
+# cell, and puts the JIT cache parts in place), then commit results/raw. Unpack BEFORE the next call,
+# even a chained one on the warm machine: each call sends this checkout again, which drops the cells
+# the last call wrote there, so cells not unpacked here are run again. Send the checkout with
+# `bash runners/gpu/slim_tree.sh on` (the cells' metrics.json travel, so finished cells are skipped).
 #
 # Two TP=1 sweeps at once on the 2-GPU kind (twice the cells per device-second):
 #   GRANIKV_GPU_SPLIT="system=sglang_default,granikv|system=sglang_cascade,hydragen" bash runners/gpu/sweep.sh ...
