@@ -52,18 +52,35 @@ def _norm(v):
     return v
 
 
-def _matching(frame: pd.DataFrame, cell: PlannedCell) -> pd.DataFrame:
-    """Rows of ``frame`` (cells or failures) in the planned cell's sweep folder with its identity."""
-    if frame.empty or "sweep" not in frame.columns:
-        return frame.iloc[0:0]
-    m = frame[frame["sweep"] == cell.sweep_name]
+class _Columns:
+    """A frame's columns as lists of Python scalars (what iterating a column gives), each read once: the
+    frames are wide (every config key and metric), and a campaign item matches many planned cells."""
+
+    def __init__(self, frame: pd.DataFrame):
+        self.frame, self._lists = frame, {}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.frame.columns
+
+    def __getitem__(self, key: str) -> list:
+        if key not in self._lists:
+            self._lists[key] = self.frame[key].tolist()
+        return self._lists[key]
+
+
+def _matching(frame: _Columns, cell: PlannedCell) -> list[int]:
+    """Positions (``iloc``) of the rows of ``frame`` (cells or failures) in the planned cell's sweep folder
+    with its identity."""
+    if frame.frame.empty or "sweep" not in frame:
+        return []
+    rows = [i for i, s in enumerate(frame["sweep"]) if s == cell.sweep_name]
     for k, v in cell.identity.items():
-        if m.empty:
+        if not rows:
             break
         want = _norm(v)
-        col = m[k] if k in m.columns else pd.Series([None] * len(m), index=m.index)
-        m = m[[_norm(x) == want for x in col]]
-    return m
+        col = frame[k] if k in frame else None
+        rows = [i for i in rows if _norm(None if col is None else col[i]) == want]
+    return rows
 
 
 def _shown(v) -> str:
@@ -71,12 +88,13 @@ def _shown(v) -> str:
     return s if len(s) <= SHOWN_MAX else "(changed)"
 
 
-def settings_diff(row: pd.Series, cell: PlannedCell) -> dict[str, str]:
-    """The settings a finished cell ran with that differ from today's preset: key -> "then -> now"."""
+def settings_diff(row: pd.Series | dict, cell: PlannedCell) -> dict[str, str]:
+    """The settings a finished cell ran with that differ from today's preset: key -> "then -> now".
+    ``row``: the cell's values by column (a row of ``Results.cells``, or a dict of its columns)."""
     out = {}
     for k, now in cell.settings.items():
         # a key no finished cell has yet was added after them: they ran its default
-        then = row[k] if k in row.index else {**ADDED_CONFIG_DEFAULTS, **ADDED_SERVER_DEFAULTS}.get(k)
+        then = row[k] if k in row.keys() else {**ADDED_CONFIG_DEFAULTS, **ADDED_SERVER_DEFAULTS}.get(k)
         if _norm(then) != _norm(now):
             out[k] = f"{_shown(then)} -> {_shown(now)}"
     return out
@@ -85,16 +103,19 @@ def settings_diff(row: pd.Series, cell: PlannedCell) -> dict[str, str]:
 def cell_rows(res: Results, item: CampaignItem) -> list[dict]:
     """One row per planned cell of ``item``: status, finished cells found, their commits, settings changed."""
     rows = []
+    cells, failures = _Columns(res.cells), _Columns(res.failures)
     for cell in expand(item):
-        done = _matching(res.cells, cell)
-        diffs = [settings_diff(r, cell) for _, r in done.iterrows()]
+        done = _matching(cells, cell)
+        present = [k for k in cell.settings if k in cells]
+        diffs = [settings_diff({k: cells[k][i] for k in present}, cell) for i in done]
         if any(not d for d in diffs):
             status, diff = MEASURED, {}
         elif diffs:
             status, diff = OTHER, min(diffs, key=len)
         else:
-            status, diff = (FAILED if not _matching(res.failures, cell).empty else MISSING), {}
-        commits = sorted({str(c)[:7] for c in done.get("provenance.git_commit", pd.Series(dtype=object)).dropna()})
+            status, diff = (FAILED if _matching(failures, cell) else MISSING), {}
+        found = [cells["provenance.git_commit"][i] for i in done] if "provenance.git_commit" in cells else []
+        commits = sorted({str(c)[:7] for c in found if not pd.isna(c)})
         own = [o for o in cell.overrides if not o.startswith("sweep=")] + (["force=true"] if len(done) else [])
         rows.append({"item": item.id, "sweep": cell.sweep_name, "cell_id": cell.cell_id, "status": status,
                      "cells": len(done), "commits": " ".join(commits),
