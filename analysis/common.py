@@ -292,9 +292,13 @@ def write_table(df: pd.DataFrame, name: str, out: Path, digits: dict[str, int] |
         v = [x for x in col if isinstance(x, (float, np.floating)) and np.isfinite(x)]
         return bool(v) and all(float(x).is_integer() for x in v)
 
-    text = pd.DataFrame({c: [fmt(int(v) if c not in digits and integral(df[c]) and isinstance(v, (float, np.floating))
-                                 and np.isfinite(v) else v, digits.get(c, 2)) for v in df[c]] for c in df.columns},
-                        columns=list(df.columns))
+    def shown(c: str) -> list[str]:
+        col = df[c]
+        as_int = c not in digits and integral(col)   # once per column, not per value
+        return [fmt(int(v) if as_int and isinstance(v, (float, np.floating)) and np.isfinite(v) else v, digits.get(c, 2))
+                for v in col]
+
+    text = pd.DataFrame({c: shown(c) for c in df.columns}, columns=list(df.columns))
     tdir = Path(out) / "tables"
     tdir.mkdir(parents=True, exist_ok=True)
     text.to_csv(tdir / f"{name}.csv", index=False, lineterminator="\n")
