@@ -24,9 +24,8 @@ import pandas as pd
 
 from analysis.common import (LPS, NOT_MEASURED, THROUGHPUT, aggregate, save_figure, select, sort_rows, with_derived,
                              write_table)
-from analysis.load import Results
+from analysis.load import TOKEN_LISTS, Results, read_rows
 from analysis.in_sglang import plugin_counters as in_sglang_counters, prefer_current
-from granikv.rawio import read_jsonl
 from analysis.plots import gpu_names, lp_axis, system_colors, title_of
 
 NAME = "engine_fidelity"
@@ -47,7 +46,8 @@ EXPECTED = [("sharegpt", "poisson", lp, 256) for lp in LPS] + [("synthetic", "bu
 def first_ttft_ms(cell: Path, n: int = FIRST) -> float:
     """Mean TTFT (ms) of the ``n`` earliest-arriving measured requests of a cell (requests.jsonl), each from
     the moment its request was sent."""
-    rows = sorted((r for r in read_jsonl(cell / "requests.jsonl") if not r.get("warmup")), key=lambda r: r["arrival_s"])
+    rows = sorted((r for r in read_rows(cell / "requests.jsonl", skip=TOKEN_LISTS) if not r.get("warmup")),
+                  key=lambda r: r["arrival_s"])
     # from the send time: a server cell's client records how late it sent (extra.send_lag_s; the engine: none)
     t = [r["first_token_s"] - r["arrival_s"] - float((r.get("extra") or {}).get("send_lag_s") or 0.0)
          for r in rows[:n] if r.get("first_token_s") is not None]

@@ -102,6 +102,27 @@ def test_kernel_rows_and_steps(res, raw):
     assert "decisions.backend" in per_class.columns
 
 
+def test_read_rows_skips_only_the_token_lists(res, raw, tmp_path):
+    """read_rows(skip=TOKEN_LISTS) gives requests.jsonl's rows as rawio reads them, the per-token lists as
+    None; a value that is not a flat list of numbers is decoded, and a broken line still names its file."""
+    from analysis.load import TOKEN_LISTS, read_rows
+    from granikv.rawio import read_jsonl
+    from granikv.rawio import write_jsonl as rawio_write_jsonl
+    cell = raw / res.cells[res.cells["kind"] == "serving"]["path"].iloc[0]
+    full = read_jsonl(cell / "requests.jsonl")
+    assert full and all(isinstance(r["output_ids"], list) and isinstance(r["token_times_s"], list) for r in full)
+    assert read_rows(cell / "requests.jsonl", skip=TOKEN_LISTS) == [{**r, **dict.fromkeys(TOKEN_LISTS)} for r in full]
+    assert read_rows(cell / "requests.jsonl") == full
+    rows = [{"output_ids": [[1, 2], 3], "token_times_s": [0.5, 1e-3], "extra": {"note": "output_ids: [x]"}},
+            {"output_ids": ["a]"], "token_times_s": [], "warmup": True}]
+    rawio_write_jsonl(tmp_path / "r.jsonl", rows)
+    assert read_rows(tmp_path / "r.jsonl", skip=TOKEN_LISTS) == [{**rows[0], "token_times_s": None},
+                                                                  {**rows[1], "token_times_s": None}]
+    (tmp_path / "bad.jsonl").write_text('{"output_ids": [1, 2], "arrival_s": }\n')
+    with pytest.raises(SchemaError, match=r"bad.jsonl:1"):
+        read_rows(tmp_path / "bad.jsonl", skip=TOKEN_LISTS)
+
+
 def test_kernel_table_times_every_measured_row_and_skips_the_fits_copies(raw, tmp_path):
     """The dispatcher's per-step cost (us_per_step) is a measurement like any kernel time: the
     kernel table shows it, never "not measured"; a calibration fit's rows (times copied from the
