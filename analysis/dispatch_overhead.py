@@ -15,6 +15,7 @@ Writes tables/dispatch_overhead.{csv,md} and figures/dispatch_overhead.{png,pdf}
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 import matplotlib
@@ -24,6 +25,7 @@ import pandas as pd
 from analysis.clean import all_cells
 from analysis.common import NOT_MEASURED, placeholder_figure, plt, save_figure, select, sort_rows, with_derived, write_table
 from analysis.load import Results, load_steps
+from granikv.rawio import data_path
 
 NAME = "dispatch_overhead"
 # boxplot's horizontal switch: `orientation` from matplotlib 3.10 on, `vert` (deprecated there) before
@@ -43,6 +45,32 @@ def bench_dispatch_us(res: Results) -> tuple[float, float]:
     return pick("dispatcher"), pick("granikv_plan_cpu")
 
 
+def decode_timings(cell: Path) -> tuple[int, float, tuple[float, float] | None]:
+    """(decode steps, their mean step time in ms, (mean, p50) of their ``dispatch_us`` or None where the
+    trace records none) of one cell's steps.jsonl; read once per file version (the table, a claim and the
+    report's dispatch line ask for the same cells)."""
+    trace = data_path(Path(cell) / "steps.jsonl")
+    if not trace.exists():
+        return _decode_timings(cell)   # load_steps names the missing file
+    st = trace.stat()
+    return _decode_timings_cached(str(cell), st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=1024)
+def _decode_timings_cached(cell: str, mtime_ns: int, size: int) -> tuple[int, float, tuple[float, float] | None]:
+    return _decode_timings(cell)
+
+
+def _decode_timings(cell: str | Path) -> tuple[int, float, tuple[float, float] | None]:
+    steps = load_steps(cell)
+    dec = steps[steps["kind"] == "decode"] if "kind" in steps.columns else steps
+    step_ms = 1e3 * pd.to_numeric(dec["step_time_s"], errors="coerce").mean() if "step_time_s" in dec.columns else np.nan
+    if "dispatch_us" in dec.columns and pd.to_numeric(dec["dispatch_us"], errors="coerce").notna().any():
+        us = pd.to_numeric(dec["dispatch_us"], errors="coerce")
+        return len(dec), step_ms, (float(us.mean()), float(us.median()))
+    return len(dec), step_ms, None
+
+
 def overhead_frame(res: Results) -> pd.DataFrame:
     """One row per dispatch_overhead cell: its columns plus decode steps, mean decode step ms,
     dispatcher us per step (and where it comes from), plan() us, and ``share_pct``. Every cell, those
@@ -54,16 +82,13 @@ def overhead_frame(res: Results) -> pd.DataFrame:
     bench_us, plan_us = bench_dispatch_us(res)
     rows = []
     for _, r in cells.iterrows():
-        steps = load_steps(Path(res.root) / r["path"])
-        dec = steps[steps["kind"] == "decode"] if "kind" in steps.columns else steps
-        step_ms = 1e3 * pd.to_numeric(dec["step_time_s"], errors="coerce").mean() if "step_time_s" in dec.columns else np.nan
-        if "dispatch_us" in dec.columns and pd.to_numeric(dec["dispatch_us"], errors="coerce").notna().any():
-            us = pd.to_numeric(dec["dispatch_us"], errors="coerce")
-            disp, p50, src = float(us.mean()), float(us.median()), "steps.jsonl"
+        n_dec, step_ms, own = decode_timings(Path(res.root) / r["path"])
+        if own is not None:
+            (disp, p50), src = own, "steps.jsonl"
         else:
             disp, p50, src = bench_us, np.nan, "kernel_bench dispatch_cost" if np.isfinite(bench_us) else ""
         commit = str(r.get("provenance.git_commit") or "")[:7]
-        rows.append({**r.to_dict(), "commit": commit, "decode_steps": len(dec), "step_ms_mean": step_ms, "dispatch_us": disp,
+        rows.append({**r.to_dict(), "commit": commit, "decode_steps": n_dec, "step_ms_mean": step_ms, "dispatch_us": disp,
                      "dispatch_us_p50": p50, "dispatch_from": src, "bench_lookup_us": bench_us,
                      "plan_us_cpu": plan_us, "share_pct": 100 * disp / (1e3 * step_ms)})
     return pd.DataFrame(rows)

@@ -17,6 +17,7 @@ Writes tables/headline_steps.{csv,md}. No figure.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from analysis.common import LPS, PAPER_CONFIG_LABELS, select, sort_rows, system_
 from analysis.headline import SELECT
 from analysis.load import Results, SchemaError, load_steps
 from granikv.config import SYSTEMS
+from granikv.rawio import data_path
 
 NAME = "headline_steps"
 FIGURES: tuple[str, ...] = ()
@@ -38,7 +40,21 @@ DIGITS = {"decode_full_p50_ms": 2, "decode_s": 1, "prefill_s": 1, "decode_batch_
 
 
 def cell_steps(path: str | Path, batch: int) -> dict:
-    """The breakdown of one cell (NaN where its trace has no such steps)."""
+    """The breakdown of one cell (NaN where its trace has no such steps); worked out once per trace file
+    version (this table, analysis.distance_to_limit, analysis.amdahl and the report read the same cells)."""
+    trace = data_path(Path(path) / "steps.jsonl")
+    if not trace.exists():
+        return _cell_steps(path, batch)   # load_steps names the missing file
+    st = trace.stat()
+    return dict(_cell_steps_cached(str(path), batch, st.st_mtime_ns, st.st_size))
+
+
+@lru_cache(maxsize=1024)
+def _cell_steps_cached(path: str, batch: int, mtime_ns: int, size: int) -> dict:
+    return _cell_steps(path, batch)
+
+
+def _cell_steps(path: str | Path, batch: int) -> dict:
     s = load_steps(path)
     for col in ("kind", "step_time_s", "batch_size"):
         if col not in s.columns:
