@@ -147,11 +147,14 @@ def aggregate(df: pd.DataFrame, keys: list[str], metric: str) -> pd.DataFrame:
     cols = keys + ["mean", "sd", "min", "max", "n"]
     if df.empty or metric not in df.columns:
         return pd.DataFrame(columns=cols)
-    d = df[keys + [metric]].copy()
-    d[keys] = d[keys].astype(object).where(d[keys].notna(), NULL)
+    k = df[keys].astype(object)
+    d = k.where(k.notna(), NULL)
+    d[metric] = df[metric]
     g = d.groupby(keys, dropna=False, sort=True)[metric]
-    out = pd.DataFrame({"mean": g.mean(), "sd": g.std(ddof=1), "min": g.min(), "max": g.max(), "n": g.count()})
-    return out.reset_index()[cols]
+    stats = pd.DataFrame({"mean": g.mean(), "sd": g.std(ddof=1), "min": g.min(), "max": g.max(), "n": g.count()})
+    # the group keys as columns in one go (reset_index inserts them one at a time: slow for a wide identity)
+    out = pd.concat([stats.index.to_frame(index=False), stats.reset_index(drop=True)], axis=1)
+    return out[cols]
 
 
 def paired(df: pd.DataFrame, config_cols: Iterable[str], num_sel: dict[str, str],
