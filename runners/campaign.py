@@ -139,10 +139,11 @@ def _config_dict(job: list[str], compose, check: bool, bases: dict) -> dict:
     """One planned cell -> the dict runners.run stores as its config (``asdict(resolve(cfg))``).
 
     ``check=True`` composes as the runner does (``_compose_cached``) and runs the dataclasses' checks:
-    ~70 ms a cell, most of it OmegaConf copying the hardware's decision table. ``check=False`` composes
-    each set of group choices once, sets the decision table aside, applies the plain ``key=value``
-    overrides to a copy of the rest and puts the table back (no override of the campaign touches it),
-    then applies resolve's one change (the concurrency cap) itself: ~5 ms a cell."""
+    ~70 ms a cell, most of it OmegaConf copying the hardware's decision table. ``check=False`` takes
+    each set of group choices' composition once (from the runner's ``_compose_cached``, which composes
+    it once per process), sets the decision table aside, applies the plain ``key=value`` overrides to a
+    copy of the rest and puts the table back (no override of the campaign touches it), then applies
+    resolve's one change (the concurrency cap) itself: ~5 ms a cell."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
@@ -157,7 +158,7 @@ def _config_dict(job: list[str], compose, check: bool, bases: dict) -> dict:
         return asdict(resolve(_compose_cached(job, compose)))
     key = tuple(o.input_line for o in groups)
     if key not in bases:
-        base = compose(config_name="config", overrides=list(key))
+        base = _compose_cached(list(key), compose)   # a copy of the runner's composition of these choices
         table = base.hardware.decision_table
         table = None if table is None else OmegaConf.to_container(table, resolve=True)
         base.hardware.decision_table = None
