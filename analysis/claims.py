@@ -204,6 +204,7 @@ class Context:
     def __init__(self, res: Results):
         self.res = res
         self._frames: dict[str, pd.DataFrame] = {}
+        self._derived: dict[str, pd.DataFrame] = {}
 
     def frame(self, name: str) -> pd.DataFrame:
         if name not in self._frames:
@@ -224,6 +225,13 @@ class Context:
                 df = overhead_frame(self.res)
             self._frames[name] = df
         return self._frames[name]
+
+    def amdahl(self) -> pd.DataFrame:
+        """analysis.amdahl.amdahl_frame of the Results (one per claim checked against it otherwise)."""
+        if "amdahl" not in self._derived:
+            from analysis.amdahl import amdahl_frame
+            self._derived["amdahl"] = amdahl_frame(self.res)
+        return self._derived["amdahl"]
 
     def noise(self, frame: str, metric: str, rows: pd.DataFrame) -> tuple[float, str]:
         """See :func:`claim_noise`."""
@@ -554,9 +562,9 @@ def stat_roofline_shift(ctx: Context, c: pd.Series, sel: dict, base: dict) -> Ou
 
 
 def stat_amdahl(ctx: Context, c: pd.Series, sel: dict, base: dict) -> Outcome:
-    from analysis.amdahl import PROFILED, amdahl_frame
+    from analysis.amdahl import PROFILED
     from analysis.common import config_label
-    t = amdahl_frame(ctx.res)
+    t = ctx.amdahl()
     label = config_label(c["model"], int(c["tp"]))
     row = t[t["config"] == label] if not t.empty else t
     if row.empty:
