@@ -23,8 +23,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-test: setup ## Run the CPU test suite (installs what it needs on a bare machine)
-	$(BIN)/python -m pytest -q
+# pytest-xdist worker processes for `make test`; each test file runs whole in one worker (its module
+# fixtures are built once); TEST_WORKERS=0 runs the suite in one process
+TEST_WORKERS ?= 2
+
+test: setup ## Run the CPU test suite, in TEST_WORKERS processes (default 2; installs what it needs on a bare machine)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 smoke: setup ## CPU multirun (tiny model, 2 systems x 2 Lp) into a temp folder, then the analysis on it
 	@d=$$(mktemp -d -t granikv-smoke.XXXXXX) && \
