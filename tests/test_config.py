@@ -100,7 +100,8 @@ def _sweep_cells(c, full: bool = True) -> list[list[str]]:
     if full:
         return [list(p) for p in itertools.product(*axes)]
     firsts = [a[0] for a in axes]
-    return [firsts[:i] + [v] + firsts[i + 1:] for i, a in enumerate(axes) for v in a]
+    cells = [firsts[:i] + [v] + firsts[i + 1:] for i, a in enumerate(axes) for v in a]
+    return [list(c) for c in dict.fromkeys(map(tuple, cells))]   # the all-firsts cell once, not once per axis
 
 
 @pytest.mark.parametrize("preset", options("sweep"))
@@ -127,8 +128,8 @@ def test_paper_values(hydra_ctx):
     assert ks == {4, 8}
     lim = _compose(["sweep=limitation"])
     assert lim.workload.prefix_len == 512 and lim.hydra.sweeper.params["workload.batch"] == "512,1024"
-    heads = {(to_run_config(_compose([f"sweep={s}"])).model.name, to_run_config(_compose([f"sweep={s}"])).tp)
-             for s in ("headline", "headline_qwen25_14b", "headline_qwen25_32b")}
+    heads = {(rc.model.name, rc.tp) for rc in (to_run_config(_compose([f"sweep={s}"]))
+                                               for s in ("headline", "headline_qwen25_14b", "headline_qwen25_32b"))}
     assert heads == {("llama3_8b", 1), ("qwen25_14b", 2), ("qwen25_32b", 4)}
     m = _compose(["sweep=sharegpt_matrix"]).hydra.sweeper.params["workload.batch"]
     assert max(int(x) for x in m.split(",")) == 1024
