@@ -216,8 +216,8 @@ def provenance(cuda_probe: bool = True) -> dict:
         except Exception:  # noqa: BLE001
             driver = None
     # The launcher's word wins: on the GPU host the repository travels as a copy whose .git (when
-    # there is one) can be a stale snapshot: on 2026-11-30 it said c836507 "dirty" for a tree that was
-    # aa3522a. runners/gpu/*.sh pass GRANIKV_GIT_COMMIT / GRANIKV_GIT_DIRTY from the launching checkout.
+    # there is one) can be a stale snapshot (it has named an older commit, "dirty", for a clean
+    # tree). runners/gpu/*.sh pass GRANIKV_GIT_COMMIT / GRANIKV_GIT_DIRTY from the launching checkout.
     env_commit = os.environ.get("GRANIKV_GIT_COMMIT", "")
     head = _git("rev-parse", "HEAD")
     if env_commit and env_commit != "unknown":
@@ -250,6 +250,7 @@ def provenance(cuda_probe: bool = True) -> dict:
         "cuda": torch.version.cuda,
         "torch": torch.__version__,
         "flashinfer": fi_version,
+        "apache_tvm_ffi": _version("apache-tvm-ffi"),   # FlashInfer's runtime (a carried wheel on the GPU host)
         "sglang": _version("sglang"),
         "granikv": granikv.__version__,
         "python": platform.python_version(),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Shared GPU-host environment for runners/gpu/*.sh (source it; do not run it).
 #
-# Sets up, from files the lead carries into the repository root (all git-ignored):
+# Sets up, from files the lead carries into the repository root (all git-ignored; the first, second and
+# fourth are built by `python runners/gpu/build_gpu_site.py`, the third comes back from each call):
 #   .gpu_site/flashinfer-0.7.2.post1.tar.xz   FlashInfer (python package tree), extracted into .gpu_site/site
 #   .whl/apache_tvm_ffi-*.whl                  installed --no-deps into .gpu_site/site
 #   .fi_cache/parts/fi_cache.tar.xz.part-*     the FlashInfer JIT cache (restored when present)
