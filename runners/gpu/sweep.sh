@@ -5,7 +5,8 @@
 #       timeout_s=600, carry=[".gpu_site", ".whl", ".fi_cache"])
 #   (2 GPUs: GRANIKV_TP=2 ... sweep.sh headline_qwen25_14b, on the nvidia-h200-x2 kind)
 #
-# First the engine GPU gate (tests/test_engine_gpu.py: fused ops, engine vs the no-cache reference,
+# First the engine GPU gate (tests/test_engine_gpu.py: fused ops, engine vs the no-cache reference (also
+# through evictions with synchronous free checks),
 # memory rules; log in $OUT/fused_check.log): if it fails or skips, nothing is measured, and
 # $OUT/.gate_failed stops any later sweep.sh of the same call. Then runs
 # `python -m runners.run -m sweep=<preset> <overrides>` for each preset within the call's time
@@ -82,9 +83,9 @@ if [ -e "$OUT/.gate_failed" ]; then
   exit 3
 fi
 if [ -z "${GRANIKV_SKIP_FUSED_CHECK:-}" ]; then
-  log "pytest -m gpu tests/test_engine_gpu.py -k 'fused or (matches_reference and granikv) or memory' (gate for the measurements)"
+  log "pytest -m gpu tests/test_engine_gpu.py -k 'fused or (matches_reference and granikv) or memory or free_checks' (gate for the measurements)"
   timeout "$(left)" $PY -m pytest -m gpu tests/test_engine_gpu.py -q -p no:cacheprovider \
-      -k "fused or (matches_reference and granikv) or memory" > "$OUT/fused_check.log" 2>&1
+      -k "fused or (matches_reference and granikv) or memory or free_checks" > "$OUT/fused_check.log" 2>&1
   RC=$?                                  # pytest's own status: 0 only when every selected test passed
   tail -3 "$OUT/fused_check.log"
   if [ "$RC" != 0 ] || grep -q "skipped" <(tail -1 "$OUT/fused_check.log"); then
