@@ -113,12 +113,16 @@ class ColdPool:
 
     def free(self, ids: torch.Tensor) -> None:
         """Give back ids from earlier ``alloc`` calls; a foreign, free or repeated id raises
-        (at once with checks "sync", at a later call with "deferred"; see the class)."""
+        (at once with checks "sync", at a later call with "deferred"; see the class). ``ids`` may
+        lie on the host (the prefix index keeps cached prefixes' slots there): they are copied to
+        the pool's device first."""
         if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
             raise ValueError("ColdPool.free(ids): ids must be a 1-D int64 tensor of slot ids")
         n = ids.numel()
         if n == 0:
             return
+        if ids.device != self.device:
+            ids = ids.to(self.device)
         mode = self.checks
         if mode == "off":
             self._cnt[ids - (self.offset - 1)] = 0
