@@ -240,6 +240,7 @@ def system_table(cells: pd.DataFrame, config_cols: list[str], sel: dict[str, str
             b = agg[agg["system"] == base][dims + extra + ["mean"]].rename(columns={"mean": f"_b_{base}"})
             agg = agg.merge(b, on=dims + extra, how="left")
             agg[f"ratio_vs_{base}"] = agg["mean"] / agg[f"_b_{base}"]
+        agg = agg.merge(code_versions(df, keys), on=keys, how="left")
         agg["status"] = "measured"
         rows = agg.drop(columns=[c for c in agg.columns if c.startswith("_b_")]).to_dict("records")
     measured = {tuple(r[d] for d in dims + ["system"]) for r in rows}
@@ -249,9 +250,27 @@ def system_table(cells: pd.DataFrame, config_cols: list[str], sel: dict[str, str
             if combo not in measured:
                 rows.append({**dict(zip(dims + ["system"], combo)), "n": 0, "status": NOT_MEASURED})
     cols = keys + ["n", "mean", "sd", "min", "max", "ratio_vs_sglang_default", "ratio_vs_sglang_cascade",
-                   "tpot_p50_ms", "ttft_p50_ms", "status"]
+                   "tpot_p50_ms", "ttft_p50_ms", "code", "status"]
     out = pd.DataFrame(rows, columns=cols)
     return sort_rows(out, keys)
+
+
+def code_versions(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """Per ``keys``: ``code``, the code version its repetitions were measured at (the commit, short)
+    or "N versions" when they span several; "unknown" without provenance. A "+" marks a commit
+    measured with uncommitted changes."""
+    commit = "provenance.git_commit"
+    k = df[keys].astype(object)
+    d = k.where(k.notna(), NULL)
+    if commit not in df.columns:
+        return d.drop_duplicates().assign(code="unknown")
+    dirty = df["provenance.git_dirty"].astype(str).str.lower().eq("true") if "provenance.git_dirty" in df.columns \
+        else pd.Series(False, index=df.index)
+    d["_v"] = df[commit].astype(str).str[:7] + dirty.map({True: "+", False: ""})
+    g = d.groupby(keys, dropna=False, sort=True)["_v"].agg(lambda v: v.iloc[0] if v.nunique() == 1
+                                                           else f"{v.nunique()} versions")
+    out = g.rename("code").reset_index()
+    return out
 
 
 def sort_rows(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:

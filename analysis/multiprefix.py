@@ -46,7 +46,7 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     k1 = t[(t["mode"] == "uniform") & (t["workload.num_prefixes"] == 1) & (t["status"] == "measured")]
     keys = [c for c in t.columns if c not in ("workload.num_prefixes", "n", "mean", "sd", "min", "max",
                                               "ratio_vs_sglang_default", "ratio_vs_sglang_cascade",
-                                              "tpot_p50_ms", "ttft_p50_ms", "status")]
+                                              "tpot_p50_ms", "ttft_p50_ms", "code", "status")]
     t = t.merge(k1[keys + ["mean"]].rename(columns={"mean": "_k1"}), on=keys, how="left")
     t["vs_own_k1"] = np.where(t["mode"] == "uniform", t["mean"] / t["_k1"], np.nan)
     t = t.drop(columns=["_k1"])

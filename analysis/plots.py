@@ -125,7 +125,7 @@ def _facets(df: pd.DataFrame, facet: list[str]) -> list[tuple[str, pd.DataFrame]
 
 
 # table columns that hold measurements, not configuration (system_table's and the modules' own)
-MEASURE_COLS = ("system", "n", "mean", "sd", "min", "max", "tpot_p50_ms", "ttft_p50_ms", "status", "vs_own_k1")
+MEASURE_COLS = ("system", "n", "mean", "sd", "min", "max", "tpot_p50_ms", "ttft_p50_ms", "code", "status", "vs_own_k1")
 
 
 def one_per_point(g: pd.DataFrame, keys: list[str]) -> tuple[pd.DataFrame, int]:

@@ -163,3 +163,19 @@ def test_cells_of_another_system_stay_out_of_the_four_systems_tables():
     ev = C.evaluate(mixed, _claim(selectors="workload.kind=sharegpt;workload.prefix_len=512;system.name=granikv",
                                   check="point", paper_value="2.16")).iloc[0]
     assert ev["ours"] == pytest.approx(2.1)                          # still over sglang_default alone
+
+
+def test_system_table_names_the_code_version_of_each_row():
+    """The ``code`` column: the short commit when every repetition of a row was measured at one
+    commit ("+" when with uncommitted changes), "N versions" when they span several."""
+    from analysis.common import system_table
+    rows = [{**_row("h", "granikv", 512, r, 200.0 + r), "provenance.git_commit": c, "provenance.git_dirty": False}
+            for r, c in enumerate(("a" * 40, "a" * 40, "b" * 40))]
+    rows += [{**_row("h", "sglang_default", 512, r, 100.0), "provenance.git_commit": "c" * 40,
+              "provenance.git_dirty": d} for r, d in enumerate((True, True))]
+    rows += [{**_row("h", "sglang_default", 1024, 0, 90.0), "provenance.git_commit": "c" * 40, "provenance.git_dirty": False},
+             {**_row("h", "granikv", 1024, 0, 95.0), "provenance.git_commit": "d" * 40, "provenance.git_dirty": False}]
+    t = system_table(_cells(rows).cells, _cells(rows).config_columns, {}, ["workload.prefix_len"])
+    code = {(r["workload.prefix_len"], r["system"]): r["code"] for _, r in t.iterrows() if r["status"] == "measured"}
+    assert code == {(512, "granikv"): "2 versions", (512, "sglang_default"): "ccccccc+",
+                    (1024, "granikv"): "ddddddd", (1024, "sglang_default"): "ccccccc"}
