@@ -3,7 +3,7 @@ aside when the same configuration has a repetition that did not; and a supersede
 set aside where the rerun that supersedes it has the same configuration (:func:`prefer_rerun`).
 
 SGLang captures every CUDA graph before it serves; our engine captures a graph the first time a
-batch shape needs it. Before the graph-key fix (2d616dd) and the capture-at-second-use policy,
+batch shape needs it. Before the graph-key fix and the capture-at-second-use policy,
 some runs captured graphs inside the measured window (``cuda_graph_capture_s`` in metrics.json),
 which lengthens their steps: the REPORT lists that time by system and code version. Such a run is
 still a measurement and stays in ``results/raw``; but where a later repetition of the same

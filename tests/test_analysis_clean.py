@@ -107,3 +107,35 @@ def test_a_rerun_sweep_supersedes_older_cells_of_the_same_configuration_only():
                                 kernels=pd.DataFrame(), config_columns=COLS), [item]).set_aside.empty
     with pytest.raises(ValueError, match="supersedes must be a list of sweep folder names"):
         CampaignItem(id="bad", what="x", issue=28, sweep="headline", supersedes="headline_llama3_8b_tp1")
+
+
+def test_reruns_table_sets_each_superseded_configuration_beside_its_rerun():
+    """tables/reruns: one row per configuration a rerun superseded, the older repetitions' mean and code
+    version next to the rerun's; configurations the rerun has not reached, and unrelated sweeps, have no row."""
+    from analysis.clean import prefer_rerun
+    from analysis.reruns import table
+    from runners.campaign import CampaignItem
+
+    def cell(sweep, s, lp, rep, thr, commit):
+        return {"sweep": sweep, "cell_id": f"rep={rep},system={s},Lp={lp}", "path": f"{sweep}/{s}/{lp}/{rep}",
+                "kind": "serving", "system.name": s, "workload.prefix_len": lp, "rep": rep,
+                "cuda_graph_capture_s": 0.0, "duration_s": 2.0, "output_throughput_tok_s": thr,
+                "provenance.git_commit": commit, "provenance.git_dirty": False}
+
+    old, new = "multiprefix_uniform_a100_40gb", "multiprefix_uniform_a100_40gb_pool_eviction"
+    rows = [cell(old, "granikv", 4, 0, 800.0, "a" * 40), cell(old, "granikv", 16, 0, 500.0, "b" * 40),
+            cell(old, "granikv", 64, 0, 100.0, "b" * 40), cell(old, "sglang_default", 4, 0, 400.0, "a" * 40),
+            cell(new, "granikv", 4, 0, 880.0, "c" * 40), cell(new, "granikv", 16, 0, 600.0, "c" * 40),
+            cell(new, "granikv", 16, 1, 620.0, "d" * 40)]
+    res = Results(root=Path("."), cells=pd.DataFrame(rows), failures=pd.DataFrame(), kernels=pd.DataFrame(),
+                  config_columns=COLS)
+    assert table(res).empty                                   # nothing superseded before prefer_rerun
+    item = CampaignItem(id="evict", what="x", issue=28, sweep="multiprefix_uniform_pool_eviction",
+                        overrides=["hardware=a100_40gb"], supersedes=[old])
+    t = table(prefer_rerun(res, [item])).set_index("workload.prefix_len")
+    assert sorted(t.index) == [4, 16] and set(t["system"]) == {"granikv"}
+    assert (t.loc[4, "before"], t.loc[4, "after"], t.loc[4, "code_before"], t.loc[4, "code_after"]) == \
+        (800.0, 880.0, "aaaaaaa", "ccccccc")
+    assert (t.loc[16, "n_after"], t.loc[16, "after"], t.loc[16, "code_after"]) == (2, 610.0, "2 versions")
+    assert t.loc[16, "after_over_before"] == pytest.approx(1.22)
+    assert set(t["superseded_sweep"]) == {old} and set(t["rerun_sweep"]) == {new}
