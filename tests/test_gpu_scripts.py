@@ -58,6 +58,12 @@ def test_split_runs_one_sweep_per_part_and_records_it(repo, tmp_path):
     with tarfile.open(tmp_path / "raw.tar.gz") as t:
         names = {n for n in t.getnames() if n.endswith("metrics.json")}
     assert names == {f"results/raw/smoke/{c.parent.name}/metrics.json" for c in cells}
+    listed = p.stdout[p.stdout.index("== cells finished in this call =="):].splitlines()[1:]
+    assert sorted(ln.split(":")[0] for ln in listed if "tok/s" in ln) == [f"smoke/{c.parent.name}" for c in cells]
+    # a cell carried in (finished by an earlier call) is skipped, and neither packed nor listed again
+    again = _sweep(repo, tmp_path / "out2", "system=sglang_default|system=granikv", ngpu=2)
+    assert again.returncode == 0 and "no cell written" in again.stdout
+    assert "tok/s" not in again.stdout[again.stdout.index("== cells finished in this call =="):]
 
 
 def test_split_refuses_more_parts_than_gpus(repo, tmp_path):

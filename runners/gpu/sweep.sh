@@ -136,13 +136,17 @@ else
 fi
 [ -n "${GRANIKV_NO_FI_PACK:-}" ] || $PACK_JIT 3   # GRANIKV_NO_FI_PACK=1: a later script in the call packs it
 ls -la "$OUT"
-$PY - <<'PYEOF'
-import json, pathlib
-print("\n== cells with metrics.json ==")
-for m in sorted(pathlib.Path("results/raw").glob("*/*/metrics.json")):
+CHANGED="$CHANGED" $PY - <<'PYEOF'
+import json, os, pathlib
+print("\n== cells finished in this call ==")   # the cells carried in are not listed again
+for cell in sorted(filter(None, os.environ["CHANGED"].split("\n"))):
+    m = pathlib.Path(cell) / "metrics.json"
+    if not m.exists():
+        print(f"{cell}: failed (failure.json)")
+        continue
     d = json.loads(m.read_text())
     if "output_throughput_tok_s" in d:
-        print(f"{m.parent.parent.name}/{m.parent.name[:90]}: {d['output_throughput_tok_s']:.0f} tok/s, "
+        print(f"{m.parent.parent.name}/{m.parent.name[:110]}: {d['output_throughput_tok_s']:.0f} tok/s, "
               f"TPOT p50 {d.get('tpot_p50_ms') or float('nan'):.1f} ms")
 PYEOF
 log "done"
