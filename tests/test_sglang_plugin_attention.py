@@ -151,7 +151,12 @@ def test_each_backends_policy_plans_the_split_over_sglang_rows(backend, want):
         assert build_plan(small, make_policy("granikv", disp), group=4).split == []
 
 
-def test_path_stats_count_and_the_file_is_replaced_whole(tmp_path):
+def test_path_stats_count_and_the_file_is_replaced_whole(tmp_path, monkeypatch):
+    from granikv.sglang_plugin import path_stats
+
+    # the monotonic clock counts from boot: on a machine up for less than the interval the first
+    # write must still happen
+    monkeypatch.setattr(path_stats.time, "monotonic", lambda: 5.0)
     st = PathStats("granikv", "granikv")
     st.paged("no_prefix")
     st.split([{"prefix_id": 5, "batch": 30, "backend": "dense"}, {"prefix_id": -1, "batch": 2, "backend": "paged"}],

@@ -85,18 +85,19 @@ class PathStats:
 
 
 class StatsWriter:
-    """Writes a :class:`PathStats` to ``path`` (JSON, atomic replace) at most every ``interval_s``."""
+    """Writes a :class:`PathStats` to ``path`` (JSON, atomic replace): at the first call, then at most
+    every ``interval_s``."""
 
     def __init__(self, path: str, interval_s: float = 2.0):
         self.path = Path(path) if path else None
         self.interval_s = float(interval_s)
-        self._last = 0.0
+        self._last: float | None = None   # monotonic time of the last write (the clock starts at boot, not 0)
 
     def maybe_write(self, stats: PathStats, force: bool = False) -> None:
         if self.path is None:
             return
         now = time.monotonic()
-        if not force and now - self._last < self.interval_s:
+        if not force and self._last is not None and now - self._last < self.interval_s:
             return
         self._last = now
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
