@@ -42,7 +42,7 @@ def prefer_clean(res: Results, limit: float = CAPTURE_LIMIT) -> Results:
         return res
     share = capture_share(c)
     serving = c["kind"] == "serving"
-    keys = _config_keys(c, res.config_columns)
+    keys = config_keys(c, res.config_columns)
     affected = serving & (share >= limit)
     clean = serving & ~(share >= limit)
     clean_path = c.loc[clean].groupby(keys[clean])["path"].first()
@@ -55,7 +55,7 @@ def prefer_clean(res: Results, limit: float = CAPTURE_LIMIT) -> Results:
                    aside.reset_index(drop=True))
 
 
-def _config_keys(c: pd.DataFrame, config_columns) -> pd.Series:
+def config_keys(c: pd.DataFrame, config_columns) -> pd.Series:
     """One string per cell naming its configuration (every identity column; instrumented apart)."""
     ids = identity(c, config_columns)
     keys = c[ids].astype(object).where(c[ids].notna(), NULL).astype(str).agg("\x1f".join, axis=1) if ids else \
@@ -85,7 +85,7 @@ def prefer_rerun(res: Results, campaign=None) -> Results:
     pairs = supersessions(campaign) if not c.empty and "sweep" in c.columns else {}
     if not pairs:
         return res
-    keys = _config_keys(c, res.config_columns)
+    keys = config_keys(c, res.config_columns)
     drop = pd.Series(False, index=c.index)
     by = pd.Series(None, index=c.index, dtype=object)
     to = pd.Series(None, index=c.index, dtype=object)

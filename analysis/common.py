@@ -269,8 +269,7 @@ def code_versions(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     d["_v"] = df[commit].astype(str).str[:7] + dirty.map({True: "+", False: ""})
     g = d.groupby(keys, dropna=False, sort=True)["_v"].agg(lambda v: v.iloc[0] if v.nunique() == 1
                                                            else f"{v.nunique()} versions")
-    out = g.rename("code").reset_index()
-    return out
+    return g.rename("code").reset_index()
 
 
 def sort_rows(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:

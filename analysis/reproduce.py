@@ -21,7 +21,7 @@ from analysis.clean import prefer_clean, prefer_rerun
 from analysis.load import load_results
 
 MODULES = (headline, engine_fidelity, in_sglang, headline_steps, prefill_host, prefill_host_ops, grid, sharegpt_matrix, multiprefix, kernel, amdahl,
-           dispatch_routing, dispatch_overhead, profiler, limitation, distance_to_limit, reruns)
+           dispatch_routing, dispatch_overhead, profiler, limitation, distance_to_limit)
 
 
 def run(results: str | Path = "results/raw", out: str | Path = "results", only: str | None = None) -> dict:
@@ -31,7 +31,8 @@ def run(results: str | Path = "results/raw", out: str | Path = "results", only: 
     for m in MODULES:
         m.build(res, out, figures=only != "tables")
     coverage.build(res, out)   # bookkeeping, not a paper table: the campaign's cells against the raw results
-    tables = [m.NAME for m in MODULES] + list(coverage.TABLES)
+    reruns.build(res, out)     # bookkeeping too: superseded configurations, before and after
+    tables = [m.NAME for m in MODULES] + list(coverage.TABLES) + [reruns.NAME]
     figs = [f for m in MODULES for f in m.FIGURES]
     ev = None
     if only != "figures":

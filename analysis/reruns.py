@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.clean import _config_keys
+from analysis.clean import config_keys
 from analysis.common import THROUGHPUT, code_versions, rename_short, sort_rows, with_derived, write_table
 from analysis.load import Results
 
 NAME = "reruns"
-FIGURES: tuple[str, ...] = ()
 SHOWN = ("model.name", "tp", "hardware.name", "workload.kind", "workload.batch", "workload.prefix_len",
          "workload.num_prefixes", "workload.prefix_lens", "system")   # the keys a row names, where they vary
 COLUMNS = ["superseded_sweep", "rerun_sweep", "n_before", "before", "code_before", "n_after", "after", "code_after",
@@ -35,7 +34,7 @@ def table(res: Results, metric: str = THROUGHPUT) -> pd.DataFrame:
     old = with_derived(a[a["superseded_by"].notna()].drop(columns=["capture_share", "set_aside_for"], errors="ignore")
                        .reset_index(drop=True))
     new = with_derived(res.cells[res.cells["sweep"].isin(set(old["superseded_by"]))].reset_index(drop=True))
-    old["_key"], new["_key"] = _config_keys(old, res.config_columns), _config_keys(new, res.config_columns)
+    old["_key"], new["_key"] = config_keys(old, res.config_columns), config_keys(new, res.config_columns)
     new = new[new["_key"].isin(set(old["_key"]))]
     shown = [c for c in SHOWN if c in old.columns and (c == "system" or old[c].astype(str).nunique() > 1)]
 
@@ -45,15 +44,17 @@ def table(res: Results, metric: str = THROUGHPUT) -> pd.DataFrame:
         code = code_versions(df.assign(_k=df["_key"]), ["_k"]).set_index("_k")["code"]
         return out.join(code.rename(f"code_{tag}"))
 
-    first = old.groupby("_key", sort=True).first()
-    rows = first[shown].join(first["sweep"].rename("superseded_sweep")).join(first["superseded_by"].rename("rerun_sweep"))
+    g = old.groupby("_key", sort=True)
+    names = lambda v: ", ".join(sorted(set(v)))  # noqa: E731 - a configuration may be superseded in two sweeps
+    rows = g[shown].first().join(g["sweep"].agg(names).rename("superseded_sweep")) \
+        .join(g["superseded_by"].agg(names).rename("rerun_sweep"))
     rows = rows.join(side(old, "before")).join(side(new, "after"))
     rows["after_over_before"] = rows["after"] / rows["before"]
     rows = rows.reset_index(drop=True)
-    return sort_rows(rows[shown + COLUMNS], ["superseded_sweep"] + shown)
+    return sort_rows(rows[shown + COLUMNS], ["rerun_sweep"] + shown)
 
 
-def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
+def build(res: Results, out: Path) -> pd.DataFrame:
     """Write tables/reruns; return the table."""
     t = table(res)
     write_table(rename_short(t), NAME, out, {"before": 1, "after": 1, "after_over_before": 3},

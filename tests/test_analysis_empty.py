@@ -44,6 +44,9 @@ def test_nothing_is_invented(empty_out):
         for col in ("mean", "ratio_vs_sglang_default", "tpot_p50_ms", "measured", "share_pct", "attention_ms"):
             if col in t.columns:
                 assert (t[col] == "").all(), (m.NAME, col)
+    # bookkeeping: nothing superseded, so the reruns table has its header and no row
+    reruns = pd.read_csv(out / "tables" / "reruns.csv", dtype=str, keep_default_na=False)
+    assert len(reruns) == 0 and {"before", "after", "after_over_before"} <= set(reruns.columns)
     report = (out / "REPORT.md").read_text()
     assert "A100-SXM4-40GB" in report and "0 reproduced" in report
 
