@@ -242,3 +242,56 @@ def test_unpack_refuses_to_overwrite_a_committed_cell_unless_told(tmp_path):
     (files_at / "raw.tar.gz.part-ab").unlink()  # a part lost on the way
     cut = subprocess.run(["bash", str(script), str(files_at)], cwd=g, env=env, capture_output=True, text=True)
     assert cut.returncode == 2 and "a part missing" in cut.stderr
+
+
+def test_pin_commit_measures_at_an_earlier_commit_with_todays_raw_results(tmp_path):
+    """runners/gpu/pin_commit.sh on a throwaway repo: `on A` gives A's code with the branch's raw
+    results, and provenance_env.sh names A, clean; the slim tree works while pinned; `off` returns to
+    the branch with the cells measured meanwhile kept untracked. Bad uses exit 2 and change nothing."""
+    g = tmp_path / "g"
+    (g / "runners" / "gpu").mkdir(parents=True)
+    for s in ("pin_commit.sh", "provenance_env.sh", "slim_tree.sh"):
+        shutil.copy(ROOT / "runners" / "gpu" / s, g / "runners" / "gpu")
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=g, env=env, capture_output=True, text=True, check=True).stdout.strip()
+
+    def sh(*a):
+        return subprocess.run(["bash", "runners/gpu/" + a[0], *a[1:]], cwd=g, env=env, capture_output=True, text=True)
+
+    def cell(name, body):
+        d = g / "results" / "raw" / "s" / name
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "metrics.json").write_text(body)
+        (d / "steps.jsonl.gz").write_text("S" * 50)
+
+    git("init", "-q", "-b", "main")
+    (g / "code.py").write_text("v1\n")
+    cell("c1", "1")
+    git("add", "-A"); git("commit", "-qm", "A")
+    a = git("rev-parse", "HEAD")
+    (g / "code.py").write_text("v2\n")
+    cell("c2", "2")
+    git("add", "-A"); git("commit", "-qm", "B")
+    b = git("rev-parse", "HEAD")
+    (g / "stray.txt").write_text("x")
+    assert sh("pin_commit.sh", "on", a).returncode == 2 and git("rev-parse", "HEAD") == b   # dirty tree
+    (g / "stray.txt").unlink()
+    assert sh("pin_commit.sh", "off").returncode == 2                                        # not pinned
+    on = sh("pin_commit.sh", "on", a)
+    assert on.returncode == 0, on.stdout + on.stderr
+    assert (g / "code.py").read_text() == "v1\n" and (g / "results/raw/s/c2/metrics.json").read_text() == "2"
+    assert sh("provenance_env.sh").stdout.strip() == f"export GRANIKV_GIT_COMMIT={a} GRANIKV_GIT_DIRTY=false"
+    assert sh("pin_commit.sh", "on", a).returncode == 2                                      # already pinned
+    assert sh("slim_tree.sh", "on").returncode == 0 and not (g / "results/raw/s/c2/steps.jsonl.gz").exists()
+    assert sh("pin_commit.sh", "off").returncode == 2                                        # slim tree on
+    cell("c3", "3")                                                                           # measured while pinned
+    assert sh("slim_tree.sh", "off").returncode == 0 and (g / "results/raw/s/c2/steps.jsonl.gz").exists()
+    off = sh("pin_commit.sh", "off")
+    assert off.returncode == 0, off.stdout + off.stderr
+    assert "2 new file(s)" in off.stdout
+    assert git("rev-parse", "HEAD") == b and git("symbolic-ref", "--short", "HEAD") == "main"
+    assert (g / "code.py").read_text() == "v2\n" and (g / "results/raw/s/c3/metrics.json").read_text() == "3"
+    assert git("status", "--porcelain") == "?? results/raw/s/c3/"

@@ -31,6 +31,7 @@
 # even a chained one on the warm machine: each call sends this checkout again, which drops the cells
 # the last call wrote there, so cells not unpacked here are run again. Send the checkout with
 # `bash runners/gpu/slim_tree.sh on` (the cells' metrics.json travel, so finished cells are skipped).
+# A sweep that must stay at one code version continues at its commit: runners/gpu/pin_commit.sh.
 #
 # Two TP=1 sweeps at once on the 2-GPU kind (twice the cells per device-second):
 #   GRANIKV_GPU_SPLIT="system=sglang_default,granikv|system=sglang_cascade,hydragen" bash runners/gpu/sweep.sh ...
