@@ -221,10 +221,8 @@ def dispatch_line(res: Results, cache: dict) -> str:
         return ""
     lookup = t["bench_lookup_us"].dropna()
     by_commit = ""
-    if "commit" in t.columns and t["commit"].nunique() > 1:
-        g = t.groupby("commit")["dispatch_us_p50"].agg(["min", "max", "size"]).sort_values("max")
-        by_commit = " (by commit: " + "; ".join(f"{c}: {r['min']:.1f}-{r['max']:.1f} us in {int(r['size'])} cells"
-                                                 for c, r in g.iterrows()) + ")"
+    if "commit" in t.columns and t["commit"].nunique() > 1:   # the versions themselves: the table's commit column
+        by_commit = f" at {t['commit'].nunique()} code versions (each cell's: tables/dispatch_overhead)"
     return (f"In the engine the per-step dispatcher time (GranikvPolicy.choose inside the step plan: the table lookup "
             f"and writing each class's choice into its plan) is {t['dispatch_us_p50'].min():.1f}-"
             f"{t['dispatch_us_p50'].max():.1f} us p50 over {len(t)} cells{by_commit}"
@@ -267,13 +265,14 @@ def split_pairs_line(t: pd.DataFrame, label: str, base: str = "sglang_default", 
         a, b = h[h["system.name"] == "granikv"], h[h["system.name"] == base]
         if a.empty or b.empty or a["commit"].iloc[0] == b["commit"].iloc[0]:
             continue
-        out.append(f"Lp={int(lp)} (GraniKV at {a['commit'].iloc[0]}, {base} at {b['commit'].iloc[0]}; "
+        na, nb = (len(str(x["commit"].iloc[0]).split(",")) for x in (a, b))
+        out.append(f"Lp={int(lp)} (GraniKV at {na} code version{'s' * (na > 1)}, {base} at {nb}; "
                    f"p50 prefill step {a['prefill_p50_ms'].iloc[0]:.1f} vs {b['prefill_p50_ms'].iloc[0]:.1f} ms)")
     if not out:
         return ""
-    return (" Pairs measured at different code versions, i.e. in different device runs: " + "; ".join(out)
-            + ". Both systems prefill the same prompts, so a large gap between their prefill steps there points to "
-            "the runs rather than the systems.")
+    return (" Pairs measured at different code versions, i.e. in different device runs (tables/headline_steps "
+            "names them): " + "; ".join(out) + ". Both systems prefill the same prompts, so a large gap between "
+            "their prefill steps there points to the runs rather than the systems.")
 
 
 # Vendor datasheet figures (dense bf16 tensor-core peak, HBM bandwidth): what an absolute time can be

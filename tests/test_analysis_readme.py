@@ -64,6 +64,16 @@ def test_no_commit_hashes_or_issue_numbers():
     assert not re.search(r"(issue|#)\s*#?\d", text, re.IGNORECASE)
 
 
+def test_report_names_commits_only_in_its_provenance_section():
+    """The REPORT's claims and explanations speak of code versions; the commits are in Provenance."""
+    p = ROOT / "results" / "REPORT.md"
+    if not p.exists():
+        pytest.skip("results/REPORT.md not generated yet (make reproduce)")
+    prose = p.read_text().split("\n## Provenance")[0]
+    hashes = [w for w in re.findall(r"\b[0-9a-f]{7,40}\b", prose) if re.search(r"[a-f]", w) and re.search(r"\d", w)]
+    assert not hashes, hashes[:5]
+
+
 def test_local_links_exist():
     for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", _text()):
         if not link.startswith("http"):

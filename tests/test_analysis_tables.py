@@ -44,13 +44,15 @@ def test_split_pairs_line_names_pairs_measured_at_different_commits():
         {"config": "other", "workload.prefix_len": 512, "system.name": "granikv", "commit": "ccc", "prefill_p50_ms": 1.0},
     ])
     line = split_pairs_line(t, "m TP=4")
-    assert "Lp=4096 (GraniKV at bbb, sglang_default at aaa; p50 prefill step 65.9 vs 37.5 ms)" in line
+    assert "Lp=4096 (GraniKV at 1 code version, sglang_default at 1; p50 prefill step 65.9 vs 37.5 ms)" in line
+    assert "bbb" not in line                                      # commits belong in the table, not the prose
     assert "Lp=512" not in line
     assert split_pairs_line(t[t["workload.prefix_len"] == 512], "m TP=4") == ""
     assert split_pairs_line(t, "m TP=4", lps=[512.0]) == ""
     casc = pd.concat([t, pd.DataFrame([{"config": "m TP=4", "workload.prefix_len": 512, "system.name": "sglang_cascade",
                                         "commit": "ddd", "prefill_p50_ms": 50.0}])])
-    assert "sglang_cascade at ddd" in split_pairs_line(casc, "m TP=4", "sglang_cascade", lps=[512.0])
+    assert "Lp=512 (GraniKV at 1 code version, sglang_cascade at 1;" in split_pairs_line(casc, "m TP=4", "sglang_cascade",
+                                                                          lps=[512.0])
 
 
 def test_a_system_keeps_its_colour_in_every_figure():
