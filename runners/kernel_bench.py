@@ -10,6 +10,8 @@ kernel.jsonl row (decode cells ``<shape>-lp<Lp>-b<B>-k<k>``):
   time_ms_min, time_ms_eager, graph (bool), graph_error, plan_ms (host wall time of plan()),
   flops, bytes, tflops, tbps, tflops_frac_peak, tbps_frac_peak, max_abs_err, decisions.
 Variant dense_unsplit: the dense backend as one plain single-prefill call (before the KV chunks).
+Variants dense_s<n> (n = 1, 2, 4 ... 64): the dense backend over exactly n interleaved KV chunks
+  (opt-in: backends=[dense,dense_s1,dense_s2,...] searches the chunk count the SM-filling rule picks).
 Variant cascade_composed: the batch-global cascade (SGLang-Cascade) on the per-class cascade path
   (FlashInfer batch prefill over the common prefix + tensor-core decode + merge) instead of
   FlashInfer's MultiLevelCascadeAttentionWrapper (variant cascade); opt-in (not in the default list).
@@ -27,6 +29,7 @@ Dispatch-cost cell ``dispatch_cost``: host microseconds per step for Dispatcher.
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -90,9 +93,10 @@ class BenchSpec:
             raise ValueError(f"kernel_bench: hardware={self.hardware} needs a CUDA GPU; use hardware=cpu here")
         if self.dtype not in DTYPES:
             raise ValueError(f"kernel_bench: dtype '{self.dtype}' not in {tuple(DTYPES)}")
-        bad = [b for b in self.backends if b not in VARIANTS]
+        bad = [b for b in self.backends if b not in VARIANTS and dense_splits(b) is None]
         if bad:
-            raise ValueError(f"kernel_bench.backends: {bad} not in {VARIANTS}")
+            raise ValueError(f"kernel_bench.backends: {bad} not in {VARIANTS} nor dense_s<n> (the dense backend "
+                             "over n interleaved KV chunks, n a power of two from 1 to 64)")
         for key in ("prefix_lens", "batches", "num_prefixes", "layout_prefix_lens"):
             vals = getattr(self, key)
             if not vals or any((not isinstance(v, int)) or v < 1 for v in vals):
@@ -153,12 +157,21 @@ def _dispatcher(spec: BenchSpec, shape: Shape, mode: str = "table") -> Dispatche
     return Dispatcher(shape.hq, shape.hkv, shape.d, name, spec.decision_table, mode)
 
 
+def dense_splits(variant: str) -> Optional[int]:
+    """n for a ``dense_s<n>`` variant (n a power of two, 1..64), else None."""
+    m = re.fullmatch(r"dense_s(\d+)", variant)
+    n = int(m.group(1)) if m else 0
+    return n if 1 <= n <= 64 and n & (n - 1) == 0 else None
+
+
 def make_variant(spec: BenchSpec, shape: Shape, variant: str, cuda_graph: bool):
     """A backend for one benchmark variant (granikv_cascade = granikv forced to per-class cascade;
-    dense_unsplit = dense as one plain single-prefill call, without the interleaved KV chunks)."""
+    dense_unsplit = dense as one plain single-prefill call, without the interleaved KV chunks;
+    dense_s<n> = dense over exactly n KV chunks, to search the split the SM-filling rule picks)."""
     dev, dt = spec.device, spec.torch_dtype
-    if variant == "dense_unsplit":
-        return make_backend("dense", shape.hq, shape.hkv, shape.d, dev, dt, cuda_graph=cuda_graph, dense_kv_splits=1)
+    if variant == "dense_unsplit" or dense_splits(variant):
+        n = 1 if variant == "dense_unsplit" else dense_splits(variant)
+        return make_backend("dense", shape.hq, shape.hkv, shape.d, dev, dt, cuda_graph=cuda_graph, dense_kv_splits=n)
     if variant == "cascade_composed":
         return make_backend("cascade", shape.hq, shape.hkv, shape.d, dev, dt, cuda_graph=cuda_graph,
                             cascade_impl="composed")

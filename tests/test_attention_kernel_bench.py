@@ -89,3 +89,15 @@ def test_a_copied_hardware_option_takes_its_devices_preset_and_keeps_its_name(ca
     assert "using presets.h200" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"presets\.tpu1 to conf/kb\.yaml"):
         merge_preset({"presets": presets, "hardware": {"name": "tpu1", "device": "xla"}}, "kb")
+
+
+def test_kernel_bench_dense_split_variants(tmp_path):
+    # opt-in dense_s<n>: the dense backend over exactly n KV chunks (the search behind the SM-filling rule)
+    p = _run(tmp_path, "backends=[dense,dense_s1,dense_s2]", "cells=[t-lp16-b4-k1]")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = rawio.read_jsonl(tmp_path / "kernel" / "t-lp16-b4-k1" / "kernel.jsonl")
+    assert [r["backend"] for r in rows] == ["dense", "dense_s1", "dense_s2"]
+    assert all(r["max_abs_err"] < 1e-5 and r["time_ms"] > 0 for r in rows)
+    for bad in ("dense_s3", "dense_s128", "dense_s0"):
+        q = _run(tmp_path / bad, f"backends=[dense,{bad}]", "cells=[t-lp16-b4-k1]")
+        assert q.returncode != 0 and "dense_s<n>" in (q.stderr + q.stdout), bad
