@@ -247,10 +247,11 @@ def test_unpack_refuses_to_overwrite_a_committed_cell_unless_told(tmp_path):
 def test_pin_commit_measures_at_an_earlier_commit_with_todays_raw_results(tmp_path):
     """runners/gpu/pin_commit.sh on a throwaway repo: `on A` gives A's code with the branch's raw
     results, and provenance_env.sh names A, clean; the slim tree works while pinned; `off` returns to
-    the branch with the cells measured meanwhile kept untracked. Bad uses exit 2 and change nothing."""
+    the branch with the cells measured meanwhile kept untracked. Bad uses exit 2 and change nothing.
+    A predates pin_commit.sh, so while pinned the script runs through the copy `on` keeps in the git dir."""
     g = tmp_path / "g"
     (g / "runners" / "gpu").mkdir(parents=True)
-    for s in ("pin_commit.sh", "provenance_env.sh", "slim_tree.sh"):
+    for s in ("provenance_env.sh", "slim_tree.sh"):
         shutil.copy(ROOT / "runners" / "gpu" / s, g / "runners" / "gpu")
     env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
            "GIT_COMMITTER_EMAIL": "t@t"}
@@ -273,6 +274,7 @@ def test_pin_commit_measures_at_an_earlier_commit_with_todays_raw_results(tmp_pa
     git("add", "-A"); git("commit", "-qm", "A")
     a = git("rev-parse", "HEAD")
     (g / "code.py").write_text("v2\n")
+    shutil.copy(ROOT / "runners" / "gpu" / "pin_commit.sh", g / "runners" / "gpu")
     cell("c2", "2")
     git("add", "-A"); git("commit", "-qm", "B")
     b = git("rev-parse", "HEAD")
@@ -282,16 +284,23 @@ def test_pin_commit_measures_at_an_earlier_commit_with_todays_raw_results(tmp_pa
     assert sh("pin_commit.sh", "off").returncode == 2                                        # not pinned
     on = sh("pin_commit.sh", "on", a)
     assert on.returncode == 0, on.stdout + on.stderr
+    assert "to return: bash .git/granikv_pin_commit.sh off" in on.stdout
+    assert not (g / "runners/gpu/pin_commit.sh").exists()                                    # A has none
+
+    def pinned(*a):
+        return subprocess.run(["bash", ".git/granikv_pin_commit.sh", *a], cwd=g, env=env, capture_output=True,
+                              text=True)
+
     assert (g / "code.py").read_text() == "v1\n" and (g / "results/raw/s/c2/metrics.json").read_text() == "2"
     assert sh("provenance_env.sh").stdout.strip() == f"export GRANIKV_GIT_COMMIT={a} GRANIKV_GIT_DIRTY=false"
-    assert sh("pin_commit.sh", "on", a).returncode == 2                                      # already pinned
+    assert pinned("on", a).returncode == 2                                                   # already pinned
     assert sh("slim_tree.sh", "on").returncode == 0 and not (g / "results/raw/s/c2/steps.jsonl.gz").exists()
-    assert sh("pin_commit.sh", "off").returncode == 2                                        # slim tree on
+    assert pinned("off").returncode == 2                                                     # slim tree on
     cell("c3", "3")                                                                           # measured while pinned
     assert sh("slim_tree.sh", "off").returncode == 0 and (g / "results/raw/s/c2/steps.jsonl.gz").exists()
-    off = sh("pin_commit.sh", "off")
+    off = pinned("off")
     assert off.returncode == 0, off.stdout + off.stderr
-    assert "2 new file(s)" in off.stdout
+    assert "2 new file(s)" in off.stdout and not (g / ".git/granikv_pin_commit.sh").exists()
     assert git("rev-parse", "HEAD") == b and git("symbolic-ref", "--short", "HEAD") == "main"
     assert (g / "code.py").read_text() == "v2\n" and (g / "results/raw/s/c3/metrics.json").read_text() == "3"
     assert git("status", "--porcelain") == "?? results/raw/s/c3/"
