@@ -8,7 +8,10 @@ kind ``kernel``): ``config.json`` (resolved config, cell, measured peaks, proven
 kernel.jsonl row (decode cells ``<shape>-lp<Lp>-b<B>-k<k>``):
   backend, time_ms (median; CUDA-graph replay on GPU when capturable, else eager), time_ms_mean,
   time_ms_min, time_ms_eager, graph (bool), graph_error, plan_ms (host wall time of plan()),
-  flops, bytes, tflops, tbps, tflops_frac_peak, tbps_frac_peak, max_abs_err, decisions.
+  flops, bytes, tflops, tbps, tflops_frac_peak, tbps_frac_peak, max_abs_err, decisions; with
+  ``profile_kernels=true`` also kernels (each kernel of one eager call: name, us_per_call,
+  launches_per_call; torch.profiler, granikv.attention.bench.kernel_profile) and kernels_us_per_call
+  (their sum: the GPU busy time of a call); layout rows too.
 Variant dense_unsplit: the dense backend as one plain single-prefill call (before the KV chunks).
 Variants dense_s<n> (n = 1, 2, 4 ... 64): the dense backend over exactly n interleaved KV chunks
   (opt-in: backends=[dense,dense_s1,dense_s2,...] searches the chunk count the SM-filling rule picks).
@@ -21,8 +24,9 @@ Layout cells ``layout-<shape>-lp<Lp>-b<B>``: variant contiguous_dense (one non-c
   all B queries over the HOT slab view; contiguous_dense_split: the same as the dense backend runs
   it, over interleaved KV chunks, GPU only) vs paged_unique_prefill / paged_unique_decode (each request
   its own prefix copy, page size 1); metrics: speedup_vs_paged_unique_*; with ``ncu=true`` on a GPU,
-  dram_pct / sm_pct of each variant's longest kernel from Nsight Compute (first shape, largest layout
-  Lp only, to bound the time; ncu_error when it could not run, e.g. no counters on a gVisor host).
+  dram_pct / sm_pct of each variant's longest kernel from Nsight Compute, and every kernel of the
+  call (name, time_us, dram_pct, sm_pct; first shape, largest layout Lp only, to bound the time;
+  ncu_error when it could not run, e.g. no counters on a gVisor host).
 Dispatch-cost cell ``dispatch_cost``: host microseconds per step for Dispatcher.choose over k
   classes and for a whole DecodeAttention.plan() with the granikv policy (CPU tensors).
 """
@@ -44,8 +48,8 @@ import torch
 
 from granikv import rawio
 from granikv.attention import reference as R
-from granikv.attention.bench import (Shape, attention_flops, build_cell, capture_graph, kv_bytes, measure_peaks, sync,
-                                    time_fn)
+from granikv.attention.bench import (Shape, attention_flops, build_cell, capture_graph, kernel_profile, kv_bytes,
+                                    measure_peaks, sync, time_fn)
 from granikv.attention.decode import make_backend
 from granikv.attention.dispatch import Dispatcher, check_table
 
@@ -80,6 +84,7 @@ class BenchSpec:
     l2_flush: bool = True
     layout: bool = True
     ncu: bool = False
+    profile_kernels: bool = False
     dispatch_cost: bool = True
     decision_table: Optional[list] = None
     gpu_name: Optional[str] = None
@@ -181,6 +186,14 @@ def make_variant(spec: BenchSpec, shape: Shape, variant: str, cuda_graph: bool):
     return make_backend(variant, shape.hq, shape.hkv, shape.d, dev, dt, cuda_graph=cuda_graph)
 
 
+def profile_row(spec: BenchSpec, fn, dev: torch.device) -> dict:
+    """``kernels`` / ``kernels_us_per_call`` of one eager call of ``fn`` when ``profile_kernels`` is on."""
+    if not spec.profile_kernels:
+        return {}
+    ks = kernel_profile(fn, dev, calls=min(spec.reps, 10), l2_flush=spec.l2_flush)
+    return {"kernels": ks, "kernels_us_per_call": sum(k["us_per_call"] for k in ks)}
+
+
 def bench_decode_cell(spec: BenchSpec, shape: Shape, lp: int, b: int, k: int, peaks: dict) -> tuple[list, dict]:
     dev = torch.device(spec.device)
     kc, vc, batch = build_cell(shape, lp, b, k, spec.suffix_len, spec.torch_dtype, dev, spec.seed)
@@ -201,7 +214,8 @@ def bench_decode_cell(spec: BenchSpec, shape: Shape, lp: int, b: int, k: int, pe
         err = float((out.float() - ref).abs().max()) if ref is not None else None
         eager = time_fn(lambda: be.run(q, kc, vc), dev, spec.warmup, spec.reps, spec.l2_flush)
         row = {"backend": variant, **eager, "time_ms_eager": eager["time_ms"], "graph": False, "graph_error": None,
-               "plan_ms": plan_ms, "max_abs_err": err, "decisions": be.last_decisions}
+               "plan_ms": plan_ms, "max_abs_err": err, "decisions": be.last_decisions,
+               **profile_row(spec, lambda: be.run(q, kc, vc), dev)}
         if spec.device == "cuda" and spec.cuda_graph:
             try:
                 gbe = make_variant(spec, shape, variant, cuda_graph=True)
@@ -261,7 +275,7 @@ def bench_layout_cell(spec: BenchSpec, shape: Shape, lp: int, b: int, peaks: dic
         tf, tb = flops / (t["time_ms"] * 1e-3) / 1e12, nbytes / (t["time_ms"] * 1e-3) / 1e12
         rows.append({"backend": name, **t, "flops": flops, "bytes": nbytes, "tflops": tf, "tbps": tb,
                      "tflops_frac_peak": tf / peaks["peak_tflops"], "tbps_frac_peak": tb / peaks["peak_tbps"],
-                     "max_abs_err": err})
+                     "max_abs_err": err, **profile_row(spec, fn, dev)})
     times = {r["backend"]: r["time_ms"] for r in rows}
     metrics = {f"time_ms_{k}": v for k, v in times.items()}
     for k in times:
@@ -300,6 +314,13 @@ NCU_METRICS = ("gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustaine
                "sm__throughput.avg.pct_of_peak_sustained_elapsed")
 
 
+def ncu_kernel(m: dict) -> dict:
+    """One kernel of an ncu CSV record set: name, duration (us; ncu reports ns), DRAM / SM throughput %."""
+    return {"name": m.get("name", "")[:200], "time_us": m.get("gpu__time_duration.sum", 0.0) / 1e3,
+            "dram_pct": m.get("dram__throughput.avg.pct_of_peak_sustained_elapsed"),
+            "sm_pct": m.get("sm__throughput.avg.pct_of_peak_sustained_elapsed")}
+
+
 def ncu_layout(spec: BenchSpec, shape: Shape, lp: int, b: int) -> dict:
     """DRAM / SM throughput % of the longest kernel of each layout variant, via ncu (GPU host only)."""
     import csv
@@ -310,7 +331,7 @@ def ncu_layout(spec: BenchSpec, shape: Shape, lp: int, b: int) -> dict:
     if exe is None:
         return {"ncu_error": "ncu not found on PATH or /usr/local/cuda/bin"}
     out = {}
-    for variant in ("contiguous_dense", "paged_unique_prefill", "paged_unique_decode"):
+    for variant in ("contiguous_dense", "contiguous_dense_split", "paged_unique_prefill", "paged_unique_decode"):
         cmd = [exe, "--csv", "--profile-from-start", "off", "--clock-control", "none", "--metrics", NCU_METRICS, sys.executable, "-m",
                "runners.kernel_bench", "--probe", shape.name, str(shape.hq), str(shape.hkv), str(shape.d), str(lp), str(b),
                variant, spec.dtype]
@@ -325,10 +346,11 @@ def ncu_layout(spec: BenchSpec, shape: Shape, lp: int, b: int) -> dict:
             if not by_kernel:
                 out[variant] = {"ncu_error": (p.stderr or p.stdout)[-500:]}
                 continue
-            top = max(by_kernel.values(), key=lambda m: m.get("gpu__time_duration.sum", 0.0))
-            out[variant] = {"kernel": top["name"][:120],
-                            "dram_pct": top.get("dram__throughput.avg.pct_of_peak_sustained_elapsed"),
-                            "sm_pct": top.get("sm__throughput.avg.pct_of_peak_sustained_elapsed")}
+            ks = sorted(by_kernel.values(), key=lambda m: -m.get("gpu__time_duration.sum", 0.0))
+            out[variant] = {"kernel": ks[0]["name"][:120],
+                            "dram_pct": ks[0].get("dram__throughput.avg.pct_of_peak_sustained_elapsed"),
+                            "sm_pct": ks[0].get("sm__throughput.avg.pct_of_peak_sustained_elapsed"),
+                            "kernels": [ncu_kernel(m) for m in ks]}
         except Exception as e:  # noqa: BLE001 - a measurement that could not be made is reported as such
             out[variant] = {"ncu_error": f"{type(e).__name__}: {e}"}
     return out

@@ -101,3 +101,58 @@ def test_kernel_bench_dense_split_variants(tmp_path):
     for bad in ("dense_s3", "dense_s128", "dense_s0"):
         q = _run(tmp_path / bad, f"backends=[dense,{bad}]", "cells=[t-lp16-b4-k1]")
         assert q.returncode != 0 and "dense_s<n>" in (q.stderr + q.stdout), bad
+
+
+def test_kernel_bench_profile_kernels(tmp_path):
+    # profile_kernels: each row splits its call into the ops (CPU) / kernels (GPU) it runs
+    p = _run(tmp_path, "backends=[paged,dense]", "cells=[t-lp40-b4-k1,layout-t-lp32-b4]", "profile_kernels=true")
+    assert p.returncode == 0, p.stderr[-3000:]
+    for cell in ("t-lp40-b4-k1", "layout-t-lp32-b4"):
+        for r in rawio.read_jsonl(tmp_path / "kernel" / cell / "kernel.jsonl"):
+            ks = r["kernels"]
+            assert ks and all(k["us_per_call"] > 0 and k["launches_per_call"] > 0 for k in ks), (cell, r["backend"])
+            assert [k["us_per_call"] for k in ks] == sorted((k["us_per_call"] for k in ks), reverse=True)
+            assert r["kernels_us_per_call"] == pytest.approx(sum(k["us_per_call"] for k in ks))
+            assert any(k["name"].startswith("aten::") for k in ks)
+            assert not any(k["name"] in ("aten::zero_", "aten::fill_") for k in ks)   # the L2 flush is left out
+    plain = _run(tmp_path / "plain", "backends=[dense]", "cells=[t-lp40-b4-k1]")
+    assert plain.returncode == 0
+    assert "kernels" not in rawio.read_jsonl(tmp_path / "plain" / "kernel" / "t-lp40-b4-k1" / "kernel.jsonl")[0]
+
+
+def test_kernel_profile_rejects_no_calls():
+    import torch
+
+    from granikv.attention.bench import kernel_profile
+    with pytest.raises(ValueError, match="calls"):
+        kernel_profile(lambda: None, torch.device("cpu"), calls=0)
+
+
+def test_ncu_layout_parses_every_kernel_of_each_variant(tmp_path, monkeypatch):
+    # a stand-in `ncu` on PATH prints Nsight Compute's --csv records: two kernels per variant, in launch order
+    from runners import kernel_bench as kb
+
+    fake = tmp_path / "ncu"
+    fake.write_text("#!/bin/sh\n"
+                    "echo '==PROF== Connected to process'\n"
+                    "echo '\"ID\",\"Kernel Name\",\"Metric Name\",\"Metric Unit\",\"Metric Value\"'\n"
+                    "for m in 'gpu__time_duration.sum,nsecond,1,200' "
+                    "'dram__throughput.avg.pct_of_peak_sustained_elapsed,%,5.5' "
+                    "'sm__throughput.avg.pct_of_peak_sustained_elapsed,%,30'; do\n"
+                    "  n=${m%%,*}; r=${m#*,}; u=${r%%,*}; v=${r#*,}\n"
+                    "  echo \"\\\"0\\\",\\\"merge\\\",\\\"$n\\\",\\\"$u\\\",\\\"$v\\\"\"\n"
+                    "done\n"
+                    "echo '\"1\",\"prefill\",\"gpu__time_duration.sum\",\"nsecond\",\"150,000\"'\n"
+                    "echo '\"1\",\"prefill\",\"sm__throughput.avg.pct_of_peak_sustained_elapsed\",\"%\",\"40\"'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    spec = kb.BenchSpec(hardware="cpu", device="cpu", dtype="float32", shapes=[kb.Shape("t", 8, 2, 16)],
+                        prefix_lens=[16], batches=[4], num_prefixes=[1], suffix_len=1, backends=["dense"], warmup=0,
+                        reps=1, layout_batch=4, layout_prefix_lens=[16])
+    out = kb.ncu_layout(spec, spec.shapes[0], 16, 4)
+    assert set(out) == {"contiguous_dense", "contiguous_dense_split", "paged_unique_prefill", "paged_unique_decode"}
+    for v in out.values():
+        assert v["kernel"] == "prefill" and v["sm_pct"] == 40 and v["dram_pct"] is None
+        assert [k["name"] for k in v["kernels"]] == ["prefill", "merge"]              # longest first
+        assert v["kernels"][0]["time_us"] == 150.0 and v["kernels"][1]["time_us"] == pytest.approx(1.2)
+        assert v["kernels"][1]["dram_pct"] == 5.5

@@ -2,6 +2,8 @@
 
 - ``time_fn``: do_bench-style timing (warm-up, optional L2 flush before every repetition, CUDA
   events on GPU / perf_counter on CPU, median and mean in ms).
+- ``kernel_profile``: the kernels of one call of ``fn`` (torch.profiler): name, time and launches
+  per call, to split a backend's time into its kernels.
 - ``measure_peaks``: the device's achievable bf16 (fp32 on CPU) matmul TFLOP/s and copy TB/s,
   measured in the run (not datasheet numbers).
 - ``build_cell``: a KV cache and a DecodeBatch for one (shape, Lp, B, k, suffix) cell: k prefix
@@ -85,6 +87,48 @@ def time_fn(fn: Callable[[], object], device: torch.device, warmup: int = 5, rep
             times.append((time.perf_counter() - t0) * 1e3)
     return {"time_ms": statistics.median(times), "time_ms_mean": statistics.fmean(times),
             "time_ms_min": min(times), "reps": reps, "warmup": warmup, "l2_flush": bool(l2_flush)}
+
+
+def _profiled(fn: Callable[[], object], device: torch.device, calls: int, flush) -> dict[str, list[float]]:
+    """{event name: [total us, count]} over ``calls`` calls of ``fn`` (each after ``flush.zero_()``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            if flush is not None:
+                flush.zero_()
+            fn()
+        sync(device)
+    out: dict[str, list[float]] = {}
+    for e in prof.key_averages():
+        us = ((getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)) if cuda
+              else e.self_cpu_time_total) or 0.0
+        if us > 0:
+            out[e.key] = [float(us), float(e.count)]
+    return out
+
+
+def kernel_profile(fn: Callable[[], object], device: torch.device, calls: int = 10, l2_flush: bool = True,
+                   flush_bytes: int = 256 << 20) -> list[dict]:
+    """The kernels one call of ``fn`` launches, longest first: ``{"name", "us_per_call",
+    "launches_per_call"}``, from a torch.profiler trace of ``calls`` eager calls (after one untraced
+    call). On CUDA: device time of each kernel (and memcpy / memset), measured as ``time_fn`` measures,
+    with the L2 flush before each call; the flush's own kernels (traced alone first) are left out. On
+    CPU (tests): self CPU time of each aten op. Sum the ``us_per_call`` for the kernels' busy time;
+    what a timed call adds over it is launch gaps.
+    """
+    device = torch.device(device)
+    if calls < 1:
+        raise ValueError(f"kernel_profile: calls must be >= 1, got {calls}")
+    flush = torch.empty(flush_bytes if device.type == "cuda" else (8 << 20), dtype=torch.uint8, device=device) \
+        if l2_flush else None
+    flush_names = set(_profiled(lambda: None, device, 2, flush)) if flush is not None else set()
+    rows = [{"name": name[:200], "us_per_call": us / calls, "launches_per_call": n / calls}
+            for name, (us, n) in _profiled(fn, device, calls, flush).items() if name not in flush_names]
+    return sorted(rows, key=lambda r: -r["us_per_call"])
 
 
 def measure_peaks(device: torch.device, dtype: torch.dtype) -> dict:
