@@ -198,7 +198,8 @@ def _load_cell(root: Path, cell: Path) -> tuple[str, dict, list[dict], list[str]
 # config keys added after cells were committed, with the value those older cells ran with (the key's
 # default, which kept the earlier behaviour): filled in so that old and new cells of one
 # configuration group together instead of splitting on a missing value
-ADDED_CONFIG_DEFAULTS = {"system.cascade_impl": "multilevel", "system.decode_plan": "flashinfer", "hardware.allreduce": "nccl",
+ADDED_CONFIG_DEFAULTS = {"system.cascade_impl": "multilevel", "system.decode_plan": "flashinfer",
+                         "system.dense_kernel": "flashinfer", "hardware.allreduce": "nccl",
                          "hardware.allreduce_symm_max_mib": 8.0, "hardware.cuda_graph_max_graphs": 0,
                          "hardware.cuda_graph_capture_at": 1, "system.engine": "granikv",
                          "system.hot_split": "static", "system.hot_min_fraction": 0.0,

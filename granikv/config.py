@@ -17,6 +17,7 @@ RADIX_BACKENDS = ("", "granikv")   # --radix-cache-backend: "" = SGLang's own Ra
 DISPATCH = ("table", "dense_only", "cascade_only", "paged_only")
 CASCADE_IMPLS = ("multilevel", "composed")   # backend=cascade, GPU path (see SystemConfig.cascade_impl)
 DECODE_PLANS = ("flashinfer", "fast")         # how decode wrappers are re-planned (see SystemConfig.decode_plan)
+DENSE_KERNELS = ("flashinfer", "cudnn", "fa2")  # the dense prefix call's kernel (see SystemConfig.dense_kernel)
 WORKLOADS = ("synthetic", "sharegpt", "multiprefix")
 ARRIVALS = ("burst", "poisson", "gamma")
 
@@ -126,6 +127,9 @@ class SystemConfig:
     # fast = FlashInfer's fast_decode_plan after the first plan(), as SGLang's FlashInfer backend
     # re-plans its decode graphs (granikv.attention.flashinfer_ops.plan_decode)
     decode_plan: str = "flashinfer"
+    # GPU path, the kernel of GraniKV's dense prefix call: flashinfer = FlashInfer's single prefill;
+    # cudnn / fa2 = torch's fused attention, GQA-packed (granikv.attention.sdpa_ops); our engine only
+    dense_kernel: str = "flashinfer"
     engine: str = "granikv"           # granikv = our compact engine | sglang = a real SGLang server (system.server)
     server: Optional[ServerConfig] = None   # engine=sglang only
     # HOT/COLD boundary: static = fixed at hot_fraction (the paper) | dynamic = moves online over free
@@ -157,6 +161,10 @@ class SystemConfig:
               "'fast' applies to our engine or to a granikv plugin server (system.server.attention_backend "
               f"granikv / granikv_cascade / hydragen); stock SGLang ('{self.server.attention_backend if self.server else ''}') "
               "plans its own decode: set decode_plan=flashinfer")
+        _need(self.dense_kernel in DENSE_KERNELS, "system.dense_kernel", f"'{self.dense_kernel}' not in {DENSE_KERNELS}")
+        _need(self.dense_kernel == "flashinfer" or (self.backend == "granikv" and self.engine == "granikv"),
+              "system.dense_kernel", f"'{self.dense_kernel}' applies to backend=granikv in our engine (this system: "
+              f"engine={self.engine}, backend={self.backend}); set dense_kernel=flashinfer")
         _need(self.dispatch in DISPATCH, "system.dispatch", f"'{self.dispatch}' not in {DISPATCH}")
         _need(0.0 <= self.hot_fraction < 1.0, "system.hot_fraction", "must be in [0, 1)")
         _need(self.hot_split in ("static", "dynamic"), "system.hot_split",

@@ -15,6 +15,9 @@ kernel.jsonl row (decode cells ``<shape>-lp<Lp>-b<B>-k<k>``):
 Variant dense_unsplit: the dense backend as one plain single-prefill call (before the KV chunks).
 Variants dense_s<n> (n = 1, 2, 4 ... 64): the dense backend over exactly n interleaved KV chunks
   (opt-in: backends=[dense,dense_s1,dense_s2,...] searches the chunk count the SM-filling rule picks).
+Variants dense_cudnn, dense_fa2 (and _s<n>): the dense backend with its prefix call on torch's fused
+  attention (cuDNN, FlashAttention-2; GQA-packed, granikv.attention.sdpa_ops) instead of FlashInfer's
+  single prefill (opt-in; on CPU the same reference path as dense).
 Variant cascade_composed: the batch-global cascade (SGLang-Cascade) on the per-class cascade path
   (FlashInfer batch prefill over the common prefix + tensor-core decode + merge) instead of
   FlashInfer's MultiLevelCascadeAttentionWrapper (variant cascade); opt-in (not in the default list).
@@ -52,6 +55,7 @@ from granikv.attention.bench import (Shape, attention_flops, build_cell, capture
                                     measure_peaks, sync, time_fn)
 from granikv.attention.decode import make_backend
 from granikv.attention.dispatch import Dispatcher, check_table
+from granikv.config import DENSE_KERNELS
 
 VARIANTS = ("paged", "cascade", "cascade_composed", "hydragen", "dense", "dense_unsplit", "granikv_cascade", "granikv")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -98,10 +102,11 @@ class BenchSpec:
             raise ValueError(f"kernel_bench: hardware={self.hardware} needs a CUDA GPU; use hardware=cpu here")
         if self.dtype not in DTYPES:
             raise ValueError(f"kernel_bench: dtype '{self.dtype}' not in {tuple(DTYPES)}")
-        bad = [b for b in self.backends if b not in VARIANTS and dense_splits(b) is None]
+        bad = [b for b in self.backends if b not in VARIANTS and dense_variant(b) is None]
         if bad:
-            raise ValueError(f"kernel_bench.backends: {bad} not in {VARIANTS} nor dense_s<n> (the dense backend "
-                             "over n interleaved KV chunks, n a power of two from 1 to 64)")
+            raise ValueError(f"kernel_bench.backends: {bad} not in {VARIANTS} nor dense[_<kernel>][_s<n>] (the dense "
+                             f"backend with kernel {DENSE_KERNELS[1:]} instead of FlashInfer's, and / or over n "
+                             "interleaved KV chunks, n a power of two from 1 to 64), e.g. dense_s2, dense_cudnn_s4")
         for key in ("prefix_lens", "batches", "num_prefixes", "layout_prefix_lens"):
             vals = getattr(self, key)
             if not vals or any((not isinstance(v, int)) or v < 1 for v in vals):
@@ -162,21 +167,30 @@ def _dispatcher(spec: BenchSpec, shape: Shape, mode: str = "table") -> Dispatche
     return Dispatcher(shape.hq, shape.hkv, shape.d, name, spec.decision_table, mode)
 
 
-def dense_splits(variant: str) -> Optional[int]:
-    """n for a ``dense_s<n>`` variant (n a power of two, 1..64), else None."""
-    m = re.fullmatch(r"dense_s(\d+)", variant)
-    n = int(m.group(1)) if m else 0
-    return n if 1 <= n <= 64 and n & (n - 1) == 0 else None
+def dense_variant(variant: str) -> Optional[tuple[str, Optional[int]]]:
+    """(kernel, n) of a ``dense[_<kernel>][_s<n>]`` variant other than plain ``dense`` (kernel one of
+    DENSE_KERNELS[1:], else flashinfer; n a power of two 1..64, None = the SM-filling rule), else None."""
+    m = re.fullmatch(r"dense(?:_(" + "|".join(DENSE_KERNELS[1:]) + r"))?(?:_s(\d+))?", variant)
+    if m is None or variant == "dense":
+        return None
+    n = int(m.group(2)) if m.group(2) else None
+    if n is not None and not (1 <= n <= 64 and n & (n - 1) == 0):
+        return None
+    return m.group(1) or "flashinfer", n
 
 
 def make_variant(spec: BenchSpec, shape: Shape, variant: str, cuda_graph: bool):
     """A backend for one benchmark variant (granikv_cascade = granikv forced to per-class cascade;
     dense_unsplit = dense as one plain single-prefill call, without the interleaved KV chunks;
-    dense_s<n> = dense over exactly n KV chunks, to search the split the SM-filling rule picks)."""
+    dense_s<n> = dense over exactly n KV chunks, to search the split the SM-filling rule picks;
+    dense_cudnn / dense_fa2 [_s<n>] = dense with torch's fused kernel, granikv.attention.sdpa_ops)."""
     dev, dt = spec.device, spec.torch_dtype
-    if variant == "dense_unsplit" or dense_splits(variant):
-        n = 1 if variant == "dense_unsplit" else dense_splits(variant)
-        return make_backend("dense", shape.hq, shape.hkv, shape.d, dev, dt, cuda_graph=cuda_graph, dense_kv_splits=n)
+    if variant == "dense_unsplit":
+        return make_backend("dense", shape.hq, shape.hkv, shape.d, dev, dt, cuda_graph=cuda_graph, dense_kv_splits=1)
+    if dense_variant(variant):
+        kernel, n = dense_variant(variant)
+        return make_backend("dense", shape.hq, shape.hkv, shape.d, dev, dt, cuda_graph=cuda_graph, dense_kv_splits=n,
+                            dense_kernel=kernel)
     if variant == "cascade_composed":
         return make_backend("cascade", shape.hq, shape.hkv, shape.d, dev, dt, cuda_graph=cuda_graph,
                             cascade_impl="composed")

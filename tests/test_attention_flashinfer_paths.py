@@ -396,3 +396,32 @@ def test_hydragen_graph_sets_share_one_scratch_and_release_frees_a_set():
     assert sets[0].scratch_k.shape[0] == 64             # older sets (captured graphs) keep their pair
     be.release_graph(keys[1])
     assert keys[1] not in be._gpu.sets and keys[0] in be._gpu.sets and keys[2] in be._gpu.sets
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "fa2"])
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_dense_kernel_takes_the_dense_call_only(kernel, graph, splits, monkeypatch):
+    """dense_kernel=cudnn/fa2: the dense prefix call goes to sdpa_ops (== reference over layouts), HydraGen's
+    and the cascade's calls stay FlashInfer's; an unknown kernel names the field."""
+    from granikv.attention import sdpa_ops
+
+    calls = []
+    real = sdpa_ops.sdpa_prefill_split
+    monkeypatch.setattr(sdpa_ops, "sdpa_prefill_split", lambda *a: calls.append(a[-1]) or real(*a))
+    hq, hkv, d = 8, 2, 8
+    for name, want in (("dense", True), ("hydragen", False), ("granikv", True)):
+        calls.clear()
+        kw = dict(device="cpu", dtype=torch.float32, cuda_graph=graph, impl="flashinfer", dense_kv_splits=splits,
+                  dense_kernel=kernel)
+        pol = GranikvPolicy(Dispatcher(hq, hkv, d, "t", MIXED)) if name == "granikv" else make_policy(name)
+        be = DecodeAttention(pol, hq, hkv, d, **kw)
+        for seed, (lps, sizes, hot) in enumerate([([64], [6], [True]), ([4, 64, 64], [2, 4, 5], [True, True, False])]):
+            k, v, batch = make_step(seed, hkv, d, lps, sizes, hot, max_suffix=5)
+            q = torch.randn(batch.batch_size, hq, d)
+            be.plan(batch)
+            ref, _ = R.paged_decode_ref(q, k, v, batch.kv_indptr, batch.kv_indices)
+            assert rel_err(be.run(q, k, v), ref) <= 1e-5, (name, be.last_decisions)
+        assert bool(calls) == want and set(calls) <= {kernel}, name
+    with pytest.raises(ValueError, match="dense_kernel"):
+        DecodeAttention(make_policy("dense"), hq, hkv, d, device="cpu", impl="flashinfer", dense_kernel="triton")

@@ -93,14 +93,16 @@ def test_a_copied_hardware_option_takes_its_devices_preset_and_keeps_its_name(ca
 
 def test_kernel_bench_dense_split_variants(tmp_path):
     # opt-in dense_s<n>: the dense backend over exactly n KV chunks (the search behind the SM-filling rule)
-    p = _run(tmp_path, "backends=[dense,dense_s1,dense_s2]", "cells=[t-lp16-b4-k1]")
+    # and dense_<kernel>[_s<n>]: the prefix call on torch's fused attention (on CPU the reference path)
+    variants = ["dense", "dense_s1", "dense_s2", "dense_cudnn", "dense_fa2_s2"]
+    p = _run(tmp_path, f"backends=[{','.join(variants)}]", "cells=[t-lp16-b4-k1]")
     assert p.returncode == 0, p.stderr[-3000:]
     rows = rawio.read_jsonl(tmp_path / "kernel" / "t-lp16-b4-k1" / "kernel.jsonl")
-    assert [r["backend"] for r in rows] == ["dense", "dense_s1", "dense_s2"]
+    assert [r["backend"] for r in rows] == variants
     assert all(r["max_abs_err"] < 1e-5 and r["time_ms"] > 0 for r in rows)
-    for bad in ("dense_s3", "dense_s128", "dense_s0"):
+    for bad in ("dense_s3", "dense_s128", "dense_s0", "dense_triton", "dense_cudnn_s5"):
         q = _run(tmp_path / bad, f"backends=[dense,{bad}]", "cells=[t-lp16-b4-k1]")
-        assert q.returncode != 0 and "dense_s<n>" in (q.stderr + q.stdout), bad
+        assert q.returncode != 0 and "dense[_<kernel>][_s<n>]" in (q.stderr + q.stdout), bad
 
 
 def test_kernel_bench_profile_kernels(tmp_path):

@@ -177,9 +177,19 @@ def test_unknown_key_is_rejected(hydra_ctx):
                                           ("system.cascade_impl=composed", "system.cascade_impl"),
                                           ("system.decode_plan=quick", "system.decode_plan"),
                                           ("system=sglang_server system.decode_plan=fast", "system.decode_plan"),
+                                          ("system.dense_kernel=triton", "system.dense_kernel"),
+                                          ("system=hydragen system.dense_kernel=cudnn", "system.dense_kernel"),
+                                          ("system=sglang_server system.dense_kernel=cudnn", "system.dense_kernel"),
                                           ("hardware.allreduce=mpi", "hardware.allreduce"),
                                           ("hardware.allreduce=symm_one_shot", "hardware.allreduce"),   # CPU
                                           ("hardware.allreduce_symm_max_mib=0", "hardware.allreduce_symm_max_mib")])
 def test_bad_values_name_the_key(hydra_ctx, override, key):
     with pytest.raises(ValueError, match=f"`{key}`"):
         to_run_config(_compose(override.split()))
+
+
+def test_dense_kernel_is_granikvs_setting(hydra_ctx):
+    # the dense prefix call's kernel: FlashInfer's by default, torch's fused kernels on request
+    assert to_run_config(_compose([])).system.dense_kernel == "flashinfer"
+    for k in ("cudnn", "fa2"):
+        assert to_run_config(_compose(["system=granikv", f"system.dense_kernel={k}"])).system.dense_kernel == k

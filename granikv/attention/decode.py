@@ -26,7 +26,7 @@ from granikv.attention.flashinfer_ops import use_tensor_cores
 from granikv.attention.gpu_paths import GpuPaths, KernelSpec, rest_bucket
 from granikv.attention.plan import StepPlan, build_plan
 from granikv.attention.policy import POLICIES, PrefixPolicy, make_policy
-from granikv.config import CASCADE_IMPLS, DECODE_PLANS
+from granikv.config import CASCADE_IMPLS, DECODE_PLANS, DENSE_KERNELS
 
 
 class DecodeAttention:
@@ -45,7 +45,7 @@ class DecodeAttention:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  tensor_core_decode: str = "auto", sm_scale: Optional[float] = None, cuda_graph: bool = False,
                  impl: Optional[str] = None, dense_kv_splits: Optional[int] = None,
-                 cascade_impl: str = "multilevel", decode_plan: str = "flashinfer"):
+                 cascade_impl: str = "multilevel", decode_plan: str = "flashinfer", dense_kernel: str = "flashinfer"):
         self.policy = policy
         name = policy.name
         if num_q_heads % num_kv_heads:
@@ -70,6 +70,10 @@ class DecodeAttention:
         # "fast" = FlashInfer's fast_decode_plan after the first plan() (flashinfer_ops.plan_decode)
         if decode_plan not in DECODE_PLANS:
             raise ValueError(f"{name}: decode_plan must be one of {DECODE_PLANS}, got {decode_plan!r}")
+        # FlashInfer path, the kernel of the dense prefix call: "flashinfer" = its single prefill; "cudnn" /
+        # "fa2" = torch's fused attention (granikv.attention.sdpa_ops); HydraGen's call stays FlashInfer's
+        if dense_kernel not in DENSE_KERNELS:
+            raise ValueError(f"{name}: dense_kernel must be one of {DENSE_KERNELS}, got {dense_kernel!r}")
         self.impl = impl or ("flashinfer" if self.device.type == "cuda" else "torch")
         if self.impl not in ("torch", "flashinfer"):
             raise ValueError(f"{name}: impl must be torch or flashinfer, got {impl!r}")
@@ -84,7 +88,7 @@ class DecodeAttention:
                 tensor_cores=use_tensor_cores(num_q_heads, num_kv_heads, dtype, tensor_core_decode),
                 dense_kv_splits=None if dense_kv_splits is None else int(dense_kv_splits),
                 multilevel_cascade=policy.batch_global and cascade_impl == "multilevel",
-                fast_decode_plan=decode_plan == "fast"))
+                fast_decode_plan=decode_plan == "fast", dense_kernel=dense_kernel))
 
     @property
     def name(self) -> str:
@@ -167,7 +171,7 @@ class DecodeAttention:
 def make_backend(system_cfg: Any, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, dispatcher: Any = None,
                  cuda_graph: bool = False, dense_kv_splits: Optional[int] = None,
-                 cascade_impl: str = "multilevel") -> DecodeAttention:
+                 cascade_impl: str = "multilevel", dense_kernel: str = "flashinfer") -> DecodeAttention:
     """The DecodeAttention of ``system_cfg.backend`` for heads per TP rank.
 
     Names: paged | cascade | hydragen | granikv (the SystemConfig backends) and dense (dense-HOT for
@@ -192,4 +196,5 @@ def make_backend(system_cfg: Any, num_q_heads: int, num_kv_heads: int, head_dim:
                            dtype=dtype, tensor_core_decode=getattr(system_cfg, "tensor_core_decode", "auto"),
                            cuda_graph=cuda_graph, dense_kv_splits=dense_kv_splits,
                            cascade_impl=getattr(system_cfg, "cascade_impl", cascade_impl),
-                           decode_plan=getattr(system_cfg, "decode_plan", "flashinfer"))
+                           decode_plan=getattr(system_cfg, "decode_plan", "flashinfer"),
+                           dense_kernel=getattr(system_cfg, "dense_kernel", dense_kernel))

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from granikv.attention import flashinfer_ops as fo
+from granikv.attention import sdpa_ops
 from granikv.attention.batch import copy_from_host
 from granikv.attention.plan import ClassPlan, StepPlan
 
@@ -60,6 +61,7 @@ class KernelSpec:
     dense_kv_splits: Optional[int]        # KV chunks of a dense/HydraGen prefix call; None = fill the SMs
     multilevel_cascade: bool              # a split step runs MultiLevelCascadeAttentionWrapper
     fast_decode_plan: bool = False        # decode re-plans through flashinfer_ops.plan_decode(fast=True)
+    dense_kernel: str = "flashinfer"      # the dense prefix call: flashinfer | cudnn | fa2 (sdpa_ops)
 
 
 @dataclass(slots=True)
@@ -237,14 +239,21 @@ class WrapperSet:
             kp, vp = self.scratch_k[:lp], self.scratch_v[:lp]
             torch.index_select(k_cache, 0, seg.slots, out=kp)
             torch.index_select(v_cache, 0, seg.slots, out=vp)
+        if seg.choice == "dense" and self.spec.dense_kernel != "flashinfer":
+            return sdpa_ops.sdpa_prefill_split(qc, kp, vp, self.spec.sm_scale, self.kv_splits(qc.shape[0], lp, True),
+                                               self.spec.dense_kernel)
         return fo.single_prefill_split(qc, kp, vp, self.spec.sm_scale, self.kv_splits(qc.shape[0], lp))
 
-    def kv_splits(self, rows: int, lp: int) -> int:
-        """KV chunks of a dense/HydraGen prefix call with ``rows`` queries over ``lp`` keys."""
+    def kv_splits(self, rows: int, lp: int, gqa_packed: bool = False) -> int:
+        """KV chunks of a dense/HydraGen prefix call with ``rows`` queries over ``lp`` keys (``gqa_packed``:
+        the sdpa_ops kernels, whose CTAs tile the G x rows of each kv head)."""
         fixed = self.spec.dense_kv_splits
         if fixed is not None:
             return fixed if lp % fixed == 0 else 1
-        return fo.dense_kv_splits(rows, self.spec.num_q_heads, lp, self.num_sms)
+        s = self.spec
+        if gqa_packed:
+            return fo.dense_kv_splits(rows * (s.num_q_heads // s.num_kv_heads), s.num_kv_heads, lp, self.num_sms)
+        return fo.dense_kv_splits(rows, s.num_q_heads, lp, self.num_sms)
 
 
 class GpuPaths:
