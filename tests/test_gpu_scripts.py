@@ -304,3 +304,40 @@ def test_pin_commit_measures_at_an_earlier_commit_with_todays_raw_results(tmp_pa
     assert git("rev-parse", "HEAD") == b and git("symbolic-ref", "--short", "HEAD") == "main"
     assert (g / "code.py").read_text() == "v2\n" and (g / "results/raw/s/c3/metrics.json").read_text() == "3"
     assert git("status", "--porcelain") == "?? results/raw/s/c3/"
+
+
+def test_kernel_sh_gates_measures_and_packs_like_sweep_sh(repo, tmp_path):
+    """runners/gpu/kernel.sh on CPU (GRANIKV_ENV_CPU_TEST, kernel_bench's cpu preset): sweep_name is required;
+    the gate's tests run first and a failing one measures nothing; the cells it finishes come back as
+    raw.tar.gz parts, and a second call measures nothing again."""
+    env = {**os.environ, "GRANIKV_ENV_CPU_TEST": "1", "PYTHON": sys.executable, "GRANIKV_BUDGET_S": "300",
+           "GRANIKV_PACK_RESERVE_S": "10", "GRANIKV_GIT_COMMIT": "0" * 40, "GRANIKV_GIT_DIRTY": "false",
+           "GRANIKV_KERNEL_HARDWARE": "cpu"}
+    (repo / "tests").mkdir(exist_ok=True)
+    gpu = "import pytest\n\n\n@pytest.mark.gpu\n"
+    (repo / "tests" / "test_ok.py").write_text(gpu + "def test_ok():\n    assert True\n")
+    (repo / "tests" / "test_bad.py").write_text(gpu + "def test_bad():\n    assert False\n")
+    args = ["sweep_name=kb", "prefix_lens=[16]", "batches=[4]", "num_prefixes=[1]",
+            "layout=false", "dispatch_cost=false", "backends=[dense,dense_cudnn]",
+            "shapes=[{name:t,hq:8,hkv:2,d:16}]"]
+
+    def run(out, tests, *a):
+        e = {**env, "OUT": str(out), "GRANIKV_KERNEL_TESTS": tests}
+        return subprocess.run(["bash", "runners/gpu/kernel.sh", *a], cwd=repo, env=e, capture_output=True, text=True,
+                              timeout=600)
+
+    p = run(tmp_path / "o0", "tests/test_ok.py", *[x for x in args if not x.startswith("sweep_name")])
+    assert p.returncode == 2 and "sweep_name" in p.stdout
+    p = run(tmp_path / "o1", "tests/test_bad.py", *args)
+    assert p.returncode == 3 and not (repo / "results/raw/kb").exists()
+    p = run(tmp_path / "o2", "tests/test_ok.py", *args)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    parts = sorted((tmp_path / "o2").glob("raw.tar.gz.part-*"))
+    data = b"".join(x.read_bytes() for x in parts)
+    with tarfile.open(fileobj=__import__("io").BytesIO(data), mode="r:gz") as t:
+        names = t.getnames()
+    assert "results/raw/kb/t-lp16-b4-k1/metrics.json" in names
+    rows = [json.loads(x) for x in (repo / "results/raw/kb/t-lp16-b4-k1/kernel.jsonl").read_text().splitlines()]
+    assert [r["backend"] for r in rows] == ["dense", "dense_cudnn"]
+    again = run(tmp_path / "o3", "tests/test_ok.py", *args)                       # resumable: nothing new
+    assert again.returncode == 0 and "no cell written" in again.stdout
