@@ -25,7 +25,7 @@ def test_every_module_writes_table_and_figures(empty_out):
     for m in MODULES:
         for ext in ("csv", "md"):
             assert (out / "tables" / f"{m.NAME}.{ext}").stat().st_size > 0
-    assert len(r["figures"]) >= len(MODULES)
+    assert r["figures"] == [f for m in MODULES for f in m.FIGURES] and len(r["figures"]) >= 10
     for f in r["figures"]:
         assert (out / "figures" / f"{f}.png").exists() and (out / "figures" / f"{f}.pdf").exists()
     assert {p.stem for p in (out / "figures").glob("*.png")} == set(r["figures"])  # each module declares its figures
