@@ -40,7 +40,9 @@ them). Kernels inside the steps are summed per class: ``prof_gemm_ms`` (cuBLAS /
 ``prof_attention_ms`` (FlashInfer decode / prefill / merge kernels: prefix + suffix + merge),
 ``prof_prefix_attn_ms`` and ``prof_suffix_merge_ms`` (the attention kernels inside / outside
 ``prefix_attention*`` annotations; ``not measured`` when the trace has none: kernel names alone do not
-tell a prefix from a suffix), ``prof_other_ms`` (norms, RoPE, activation, sampling, copies), and
+tell a prefix from a suffix. The engine's FlashInfer path marks each prefix call it launches eagerly
+(granikv.attention.gpu_paths.prefix_mark); a replayed CUDA graph carries no range inside it, so the
+split needs a trace of eager steps: ``hardware.cuda_graph_max_bs=0``), ``prof_other_ms`` (norms, RoPE, activation, sampling, copies), and
 ``prof_host_gap_ms`` = the step period (start to start of consecutive steps) minus the time some
 kernel ran (GPU idle: the host's share). Profiled cells are instrumented runs of their own; their
 breakdown stands beside the uninstrumented step time, it is not subtracted from it. A configuration

@@ -425,3 +425,29 @@ def test_dense_kernel_takes_the_dense_call_only(kernel, graph, splits, monkeypat
         assert bool(calls) == want and set(calls) <= {kernel}, name
     with pytest.raises(ValueError, match="dense_kernel"):
         DecodeAttention(make_policy("dense"), hq, hkv, d, device="cpu", impl="flashinfer", dense_kernel="triton")
+
+
+@pytest.mark.parametrize("name,marks", [("dense", True), ("hydragen", True), ("cascade_composed", True),
+                                        ("paged", False)])
+def test_prefix_attention_is_marked_only_while_profiling(name, marks, monkeypatch):
+    """Under torch.profiler each prefix-attention call runs inside a `prefix_attention` range (the split
+    analysis.distance_to_limit reads); without a profiler no range is opened at all."""
+    from torch.profiler import ProfilerActivity, profile
+
+    hq, hkv, d = 8, 2, 8
+    be = _make(name, hq, hkv, d, False)
+    if name == "cascade_composed":   # the batch-global cascade splits only a prefix common to the whole batch
+        k, v, batch = make_step(1, hkv, d, [64], [6], [True], max_suffix=5)
+    else:
+        k, v, batch = make_step(1, hkv, d, [4, 64, 64], [2, 4, 5], [True, True, False], max_suffix=5)
+    q = torch.randn(batch.batch_size, hq, d)
+    be.plan(batch)
+    opened = []
+    real = torch.profiler.record_function
+    monkeypatch.setattr(torch.profiler, "record_function", lambda n: opened.append(n) or real(n))
+    be.run(q, k, v)
+    assert opened == []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        be.run(q, k, v)
+    names = {e.name for e in prof.events()}
+    assert ("prefix_attention" in names) == marks, sorted(names)[:20]

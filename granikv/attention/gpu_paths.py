@@ -22,6 +22,7 @@ that class takes the per-class cascade path above (batch prefill, tensor-core de
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -33,6 +34,14 @@ from granikv.attention import flashinfer_ops as fo
 from granikv.attention import sdpa_ops
 from granikv.attention.batch import copy_from_host
 from granikv.attention.plan import ClassPlan, StepPlan
+
+
+def prefix_mark():
+    """A ``prefix_attention`` profiler range around a prefix-attention call while torch.profiler records
+    (the GPU annotation analysis.distance_to_limit and analysis.profiler split a step's attention
+    by), else nothing. Eager calls only: a replayed CUDA graph carries no host range inside it."""
+    return torch.profiler.record_function("prefix_attention") if torch.autograd._profiler_enabled() \
+        else contextlib.nullcontext()
 
 
 def pow2(n: int) -> int:
@@ -199,7 +208,8 @@ class WrapperSet:
         if self.full_cover:
             seg = self.segments[0]
             if seg.choice == "cascade":
-                oc, lc = self.prefill.run(q, kv, return_lse=True)
+                with prefix_mark():
+                    oc, lc = self.prefill.run(q, kv, return_lse=True)
             else:
                 oc, lc = self._prefix_state(seg, q, k_cache, v_cache, gather=False)
             fo.merge_state_in_place(o, lse, oc, lc)
@@ -223,7 +233,8 @@ class WrapperSet:
             o_pre.index_copy_(0, seg.rows, oc)
             lse_pre.index_copy_(0, seg.rows, lc)
         if self.cas_rows is not None:
-            oc, lc = self.prefill.run(q.index_select(0, self.cas_rows), kv, return_lse=True)
+            with prefix_mark():
+                oc, lc = self.prefill.run(q.index_select(0, self.cas_rows), kv, return_lse=True)
             o_pre.index_copy_(0, self.cas_rows, oc)
             lse_pre.index_copy_(0, self.cas_rows, lc)
         if o_pre is not None:
@@ -231,6 +242,10 @@ class WrapperSet:
         return o
 
     def _prefix_state(self, seg: Segment, q, k_cache, v_cache, gather: bool = True):
+        with prefix_mark():
+            return self._prefix_state_call(seg, q, k_cache, v_cache, gather)
+
+    def _prefix_state_call(self, seg: Segment, q, k_cache, v_cache, gather: bool):
         lp, hs = seg.prefix_len, seg.hot_start
         qc = q.index_select(0, seg.rows) if gather else q
         if seg.choice == "dense":
