@@ -42,7 +42,7 @@ RESULTS_RAW ?= results/raw
 RESULTS_OUT ?= results
 .PHONY: reproduce tables figures
 
-reproduce: setup ## Regenerate results/tables, results/figures and results/REPORT.md from results/raw (CPU only, ~90 s after setup)
+reproduce: setup ## Regenerate results/tables, results/figures and results/REPORT.md from results/raw (CPU only, ~3 min after setup)
 	$(BIN)/python -m analysis.reproduce --results $(RESULTS_RAW) --out $(RESULTS_OUT)
 
 tables: setup ## Regenerate only results/tables (CSV + Markdown) and results/REPORT.md, no figures
