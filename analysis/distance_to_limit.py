@@ -99,8 +99,10 @@ DIGITS = {"step_ms": 2, "suffix_kv_mean": 1, "gemm_floor_ms": 3, "attn_roofline_
           **{c: 3 for c in PROF}}
 FLOOR_CMD = "python -m runners.kernel_bench_gemm_floor hardware=h200"
 # kernel classes of a trace (attention first: FlashInfer's sm90 kernels carry cutlass types in their names)
-ATTENTION_KERNEL = re.compile(r"Decode|Prefill|MergeState|merge_state|[Aa]ttention|[Cc]ascade|fmha|flash_?attn",
-                              re.ASCII)
+# FlashInfer's decode / prefill / merge kernels; torch's fused attention (granikv.attention.sdpa_ops):
+# FlashAttention-2's flash_fwd*, cuDNN's *sdpa* / *flash_fprop*
+ATTENTION_KERNEL = re.compile(r"Decode|Prefill|MergeState|merge_state|[Aa]ttention|[Cc]ascade|fmha|flash_?attn|"
+                              r"flash_fwd|flash_fprop|sdpa", re.ASCII)
 GEMM_KERNEL = re.compile(r"gemm|Gemm|GEMM|nvjet|cutlass|cublas|xmma|splitKreduce", re.ASCII)
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 STEP_ANNOTATION, PREFIX_ANNOTATION = "decode_step", "prefix_attention"

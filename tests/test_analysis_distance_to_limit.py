@@ -170,3 +170,15 @@ def test_profiler_breakdown(tmp_path, prefix_annotation):
     else:
         assert row["prof_prefix_attn_ms"] == "not measured" and row["prof_suffix_merge_ms"] == "not measured"
         assert "prefix / suffix split not measured" in row["prof_source"]
+
+
+@pytest.mark.parametrize("name,attention", [
+    ("void flashinfer::BatchDecodeWithPagedKVCacheKernel<...>", True),
+    ("void PrefillWithKVCacheKernel<CollectiveMainloop<...>>", True),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", True),   # dense_kernel=fa2
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0", True),  # cudnn
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", False),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", False)])
+def test_attention_kernels_by_name(name, attention):
+    from analysis.distance_to_limit import ATTENTION_KERNEL
+    assert bool(ATTENTION_KERNEL.search(name)) == attention
