@@ -50,16 +50,9 @@ def test_backend_matches_reference(name, shape, layout):
 
 
 def _capture(be, q, k, v):
-    """Warm ``be.run`` up on a side stream (JIT outside capture), then capture it: (graph, output)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        be.run(q, k, v)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = be.run(q, k, v)
-    return g, out
+    """``be.run`` warmed up on a side stream (JIT outside capture) and captured: (graph, output)."""
+    from granikv.attention.bench import capture_graph
+    return capture_graph(lambda: be.run(q, k, v))
 
 
 @needs_fi

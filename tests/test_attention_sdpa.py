@@ -88,6 +88,7 @@ def test_gpu_kernels_match_reference(kernel, shape, splits):
 @needs_gpu
 @pytest.mark.parametrize("kernel", S.SDPA_KERNELS)
 def test_gpu_dense_backend_with_torch_kernel_eager_and_replayed(kernel):
+    from granikv.attention.bench import capture_graph
     from granikv.attention.decode import make_backend
 
     hq, hkv, d = 32, 8, 128
@@ -99,14 +100,7 @@ def test_gpu_dense_backend_with_torch_kernel_eager_and_replayed(kernel):
     assert rel_err(be.run(q, k, v), ref) <= 2e-2
     gb = make_backend("dense", hq, hkv, d, "cuda", torch.bfloat16, cuda_graph=True, dense_kernel=kernel)
     gb.plan(batch)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        gb.run(q, k, v)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = gb.run(q, k, v)
+    graph, out = capture_graph(lambda: gb.run(q, k, v))
     q.copy_(torch.randn_like(q))
     graph.replay()
     torch.cuda.synchronize()
