@@ -341,3 +341,33 @@ def test_kernel_sh_gates_measures_and_packs_like_sweep_sh(repo, tmp_path):
     assert [r["backend"] for r in rows] == ["dense", "dense_cudnn"]
     again = run(tmp_path / "o3", "tests/test_ok.py", *args)                       # resumable: nothing new
     assert again.returncode == 0 and "no cell written" in again.stdout
+
+
+def test_jit_cache_is_restored_from_the_last_call_else_from_the_committed_seed(tmp_path):
+    """env.sh restores the engine's FlashInfer JIT cache from the parts the last call brought back
+    (.fi_cache/parts) and, in a fresh checkout that has none, from the seed committed in
+    runners/gpu/jit_seed; the committed seed is a whole archive of FlashInfer's module cache."""
+    seed = sorted((ROOT / "runners" / "gpu" / "jit_seed").glob("fi_cache.tar.xz.part-*"))
+    assert seed, "runners/gpu/jit_seed holds no fi_cache.tar.xz.part-*"
+    whole = tmp_path / "seed.tar.xz"
+    whole.write_bytes(b"".join(p.read_bytes() for p in seed))
+    with tarfile.open(whole, "r:xz") as tf:
+        names = tf.getnames()
+    assert any(n.startswith(".cache/flashinfer/") and n.endswith(".so") for n in names), names[:5]
+
+    root = tmp_path / "checkout"
+    shutil.copytree(ROOT / "runners" / "gpu", root / "runners" / "gpu")
+    env = {**os.environ, "GRANIKV_ENV_CPU_TEST": "1", "OUT": str(tmp_path / "out"),
+           "GRANIKV_GIT_COMMIT": "0" * 40, "GRANIKV_GIT_DIRTY": "false"}
+
+    def where() -> str:
+        p = subprocess.run(["bash", "-c", "source runners/gpu/env.sh; fi_cache_parts_dir"], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        return p.stdout.strip().splitlines()[-1]
+
+    assert where() == str(root / "runners" / "gpu" / "jit_seed")
+    parts = root / ".fi_cache" / "parts"
+    parts.mkdir(parents=True)
+    (parts / "fi_cache.tar.xz.part-aa").write_bytes(b"x")
+    assert where() == str(parts)

@@ -5,7 +5,8 @@
 # fourth are built by `python runners/gpu/build_gpu_site.py`, the third comes back from each call):
 #   .gpu_site/flashinfer-0.7.2.post1.tar.xz   FlashInfer (python package tree), extracted into .gpu_site/site
 #   .whl/apache_tvm_ffi-*.whl                  installed --no-deps into .gpu_site/site
-#   .fi_cache/parts/fi_cache.tar.xz.part-*     the FlashInfer JIT cache (restored when present)
+#   .fi_cache/parts/fi_cache.tar.xz.part-*     the FlashInfer JIT cache (restored when present; else
+#                                              the committed seed, runners/gpu/jit_seed/, see fi_cache_parts_dir)
 #   .gpu_site/py/                              pure-Python wheels unpacked (hydra, omegaconf), put on PYTHONPATH
 # and exports PY, PYTHONPATH, FLASHINFER_WORKSPACE_BASE, OUT, the NCCL settings of the host, and
 # helpers: log, left (seconds left of BUDGET_S minus PACK_RESERVE_S), pack_fi_cache MAX_PARTS.
@@ -36,6 +37,20 @@ SITE=$ROOT/.gpu_site/site
 PY=${PYTHON:-python3}
 source "$(dirname "${BASH_SOURCE[0]}")/jit_cache.sh"   # jit_cache_pack / _restore, fix_site_mtimes
 
+# Where the JIT cache is restored from: the parts the last call brought back (.fi_cache/parts, put there
+# by unpack.sh), else the seed committed with the code (runners/gpu/jit_seed/: FlashInfer 0.7.2.post1's
+# modules for sm90a that the engine GPU gate and the serving cells build), so that a fresh checkout's
+# first call does not spend ~5 min of device time building them. A cache is only a cache: FlashInfer
+# rebuilds any module whose sources changed. Refresh the seed from a later call's parts with
+# `cp .fi_cache/parts/fi_cache.tar.xz.part-* runners/gpu/jit_seed/` (remove the old parts first).
+fi_cache_parts_dir() {
+  if ls "$FLASHINFER_WORKSPACE_BASE/parts"/fi_cache.tar.xz.part-* >/dev/null 2>&1; then
+    echo "$FLASHINFER_WORKSPACE_BASE/parts"
+  else
+    echo "$ROOT/runners/gpu/jit_seed"
+  fi
+}
+
 gpu_env_setup() {
   if [ -n "${GRANIKV_ENV_CPU_TEST:-}" ]; then   # tests/test_gpu_scripts.py: the scripts' logic on CPU, no FlashInfer
     export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
@@ -56,7 +71,7 @@ gpu_env_setup() {
     $PY -m pip install -q --no-deps --target "$SITE" "$WHL" || { echo "ERROR: pip install $WHL failed"; return 2; }
   fi
   fix_site_mtimes "$SITE"   # the tvm-ffi headers pip stamped would make every cached module rebuild
-  jit_cache_restore "$FLASHINFER_WORKSPACE_BASE" "$FLASHINFER_WORKSPACE_BASE/parts" fi_cache
+  jit_cache_restore "$FLASHINFER_WORKSPACE_BASE" "$(fi_cache_parts_dir)" fi_cache
   export PYTHONPATH=$ROOT:$SITE:$ROOT/.gpu_site/py${PYTHONPATH:+:$PYTHONPATH}
   $PY - <<'PYEOF' || { echo "ERROR: environment check failed (see above)"; return 2; }
 import torch, yaml, hydra, omegaconf, flashinfer, granikv
