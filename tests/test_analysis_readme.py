@@ -100,7 +100,7 @@ def test_claim_map_matches_the_experiments_table():
     ex = _table("experiments").set_index("experiment")
     rows = _rows(_section("Claim map"), "experiment")
     assert [r[0].strip("`") for r in rows] == list(ex.index)
-    for name, claims, gpus, minutes, mb, command in rows:
+    for name, gpus, minutes, mb, command in rows:
         e = ex.loc[name.strip("`")]
-        assert (claims, gpus, minutes, mb, command.strip("`")) == \
-            (e["claims"] or "-", e["gpus"], e["gpu_time_min"] or "-", e["disk_mb"], e["command"]), name
+        assert (gpus, minutes, mb, command.strip("`")) == \
+            (e["gpus"], e["gpu_time_min"] or "-", e["disk_mb"], e["command"]), name
