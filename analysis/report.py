@@ -570,7 +570,8 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
     cache: dict = {}
     for _, c in ev.iterrows():
         L += claim_section(res, ev, c, cache)
-    from analysis import coverage
+    from analysis import beyond, coverage
+    L += beyond.lines(beyond.beyond_frame(res))
     L += ["", "## Campaign coverage", "",
           "Every cell the campaign plans (`conf/campaign.yaml`, expanded as runners.run expands each sweep), "
           "against the raw results; cell by cell in tables/coverage_cells.md; the command, GPUs and time per claim "
