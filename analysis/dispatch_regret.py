@@ -92,9 +92,9 @@ def _measured(res: Results) -> pd.DataFrame:
     if k.empty or "cell.kind" not in k.columns:
         return pd.DataFrame(columns=COLUMNS)
     k = k[(k["cell.kind"] == "decode") & k["k.backend"].isin(list(OPTIONS.values()) + ["granikv"])]
-    k = k[[c for c in KEYS if c in k.columns] + ["k.backend", "k.time_ms", "k.time_ms_eager", "k.decisions"]]
     if k.empty or not set(KEYS) <= set(k.columns):
         return pd.DataFrame(columns=COLUMNS)
+    k = k.reindex(columns=KEYS + ["k.backend", "k.time_ms", "k.time_ms_eager", "k.decisions"])   # rows may lack the last ones
     rows = []
     for key, g in k.groupby(KEYS, sort=True, dropna=False):
         gpu, hw, shape, hq, hkv, d, lp, b = key
