@@ -40,6 +40,21 @@ def test_pack_and_unpack_are_inverse_maps():
     assert torch.allclose(sv[1, 0, 3] / S.LOG2E, lse[0, 0, 1 * g + 3])   # request 1, head 3 of chunk 0
 
 
+@pytest.mark.parametrize("g", [1, 4])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_unpack_states_returns_contiguous_states(g, layout):
+    # FlashInfer's merge_states rejects strided states; at G = 1 (MHA) the unpacking reshape is a view,
+    # and torch's kernels return o in either memory layout.
+    n, hkv, s, d = 5, 2, 4, 8
+    o = torch.randn(1, n * g, s * hkv, d).transpose(1, 2) if layout == "bshd" else torch.randn(1, s * hkv, n * g, d)
+    lse = torch.randn(1, s * hkv, n * g)
+    ov, sv = S.unpack_states(o, lse, n, hkv, s)
+    assert ov.is_contiguous() and sv.is_contiguous()
+    assert ov.shape == (n, s, hkv * g, d) and sv.shape == (n, s, hkv * g)
+    # chunk c, kv head h, request i, group row j sits at o[0, c * Hkv + h, i * G + j]
+    assert torch.equal(ov[3, 2, 1 * g + (g - 1)], o[0, 2 * hkv + 1, 3 * g + (g - 1)])
+
+
 def test_chunk_kv_is_a_free_view_with_interleaved_keys():
     k = torch.randn(8, 2, 4)
     kc = S.chunk_kv(k, 4)                                            # [1, 4*2, 2, 4]

@@ -48,9 +48,10 @@ def unpack_states(o: torch.Tensor, lse: torch.Tensor, n: int, num_kv_heads: int,
     per-chunk states o [N, splits, Hq, D] and base-2 lse [N, splits, Hq] fp32 (both contiguous)."""
     d = o.shape[-1]
     g = o.shape[2] // n
+    # reshape copies unless G = 1, where it returns a strided view; merge_states needs contiguous states
     ov = o.view(splits, num_kv_heads, n, g, d).permute(2, 0, 1, 3, 4).reshape(n, splits, num_kv_heads * g, d)
     sv = lse.reshape(splits, num_kv_heads, n, g).permute(2, 0, 1, 3).reshape(n, splits, num_kv_heads * g)
-    return ov, sv.float() * LOG2E
+    return ov.contiguous(), (sv.float() * LOG2E).contiguous()
 
 
 def merge_chunks(o: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
