@@ -93,6 +93,7 @@ SOURCES = (("headline", "headline_", headline_mod.SELECT, "sharegpt", LPS, (256,
 # sweep: cells of two sweep folders (another runner, e.g. runners.engine_bench, or a rerun) are never pooled
 KEYS = ["table", "config", "workload.prefix_len", "workload.batch", "system", "gpu", "sweep"]
 VALUES = ["step_ms", "suffix_kv_mean", "gemm_floor_ms", "attn_roofline_ms", "attn_bound", "limit_ms", "multiple"]
+SPLIT = ["prof_prefix_attn_ms", "prof_suffix_merge_ms"]
 PROF = ["prof_step_ms", "prof_gemm_ms", "prof_attention_ms", "prof_prefix_attn_ms", "prof_suffix_merge_ms",
         "prof_other_ms", "prof_host_gap_ms"]
 DIGITS = {"step_ms": 2, "suffix_kv_mean": 1, "gemm_floor_ms": 3, "attn_roofline_ms": 3, "limit_ms": 3, "multiple": 2,
@@ -253,9 +254,10 @@ def _key(c, keys) -> tuple:
                  for k in keys)
 
 
-def profiled(res: Results) -> dict[tuple, list[tuple[tuple, Path]]]:
+def profiled(res: Results) -> dict[tuple, list[tuple[tuple, Path, bool]]]:
     """The traces of the profiled serving cells (``profile_steps`` > 0): PROFILE_KEY values ->
-    [(PROFILE_MATCH values, trace path)]."""
+    [(PROFILE_MATCH values, trace path, eager)], eager = the cell ran without decode CUDA graphs
+    (``hardware.cuda_graph_max_bs`` = 0)."""
     cells = with_derived(res.cells)
     out: dict[tuple, list[tuple[tuple, Path]]] = {}
     if cells.empty or "profile_steps" not in cells.columns:
@@ -264,25 +266,48 @@ def profiled(res: Results) -> dict[tuple, list[tuple[tuple, Path]]]:
     for _, r in prof.iterrows():
         p = next((f for f in (Path(res.root) / r["path"] / n for n in ("trace.json.gz", "trace.json")) if f.exists()), None)
         if p is not None:
-            out.setdefault(_key(r, PROFILE_KEY), []).append((_key(r, PROFILE_MATCH), p))
+            graph_bs = pd.to_numeric(pd.Series([r.get("hardware.cuda_graph_max_bs")]), errors="coerce").iloc[0]
+            out.setdefault(_key(r, PROFILE_KEY), []).append((_key(r, PROFILE_MATCH), p, bool(graph_bs == 0)))
     return out
 
 
+def _mean(got: list[dict], keys: list[str]) -> dict:
+    return {k: float(np.mean([g[k] for g in got])) for k in keys if got and all(k in g for g in got)}
+
+
 def breakdown_of(prof: dict, row: dict, cells: pd.DataFrame | None) -> dict:
-    """The breakdown of the traces of ``row``'s configuration (averaged; where ``cells`` are given, only
-    traces whose workload and hardware preset equal theirs), or why there is none; {} without a trace."""
+    """The breakdown of the traces of ``row``'s configuration (where ``cells`` are given, only traces
+    whose workload and hardware preset equal theirs), or why there is none; {} without a trace.
+
+    The step as served (period, GEMMs, attention, other, host gap) is the mean over the traces of
+    CUDA-graph steps, else over eager ones (said so in ``prof_source``). The prefix / suffix split
+    needs eager steps (a replayed graph carries no range): it is the mean over the eager traces that
+    mark it, their own kernel times, and ``prof_source`` names them."""
     found = prof.get(_key(row, PROFILE_KEY), [])
     if found and cells is not None and not cells.empty:
         want = {_key(c, PROFILE_MATCH) for _, c in cells.iterrows()}
-        found = [(m, p) for m, p in found if m in want]
+        found = [f for f in found if f[0] in want]
     if not found:
         return {}
-    got = [trace_breakdown(p) for _, p in found]
-    ok = [g for g in got if g["prof_source"].startswith("torch.profiler")]
+    got = [(trace_breakdown(p), eager) for _, p, eager in found]
+    ok = [(g, e) for g, e in got if g["prof_source"].startswith("torch.profiler")]
     if not ok:
-        return {"prof_source": got[0]["prof_source"]}
-    out = {k: float(np.mean([g[k] for g in ok])) for k in PROF if all(k in g for g in ok)}
-    out["prof_source"] = ok[0]["prof_source"] + (f", {len(ok)} traces averaged" if len(ok) > 1 else "")
+        return {"prof_source": got[0][0]["prof_source"]}
+    graph = [g for g, e in ok if not e]
+    whole = graph or [g for g, _ in ok]
+    out = _mean(whole, [k for k in PROF if k not in SPLIT])
+    n = sum(g["prof_steps"] for g in whole)
+    out["prof_source"] = (f"torch.profiler, {n} decode steps" + ("" if graph else " (eager: no CUDA-graph trace)")
+                          + (f" over {len(whole)} traces" if len(whole) > 1 else ""))
+    split = [g for g, e in ok if e and all(k in g for k in SPLIT)] or [g for g in whole if all(k in g for k in SPLIT)]
+    if split:
+        out.update(_mean(split, SPLIT))
+        if graph:
+            att = np.mean([g["prof_attention_ms"] for g in split])
+            out["prof_source"] += (f"; prefix / suffix split from {len(split)} eager-step trace(s), their own "
+                                   f"kernel times (attention there {att:.3f} ms per step)")
+    else:
+        out["prof_source"] += f" (no `{PREFIX_ANNOTATION}` annotation: prefix / suffix split not measured)"
     return out
 
 
@@ -414,3 +439,37 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
              gpu=gpu_names(select(res.cells, headline_mod.SELECT)),
              title="Headline (B=256): full-batch decode step over its hardware limit")
     return text
+
+
+def _span(v: pd.Series) -> str:
+    lo, hi = f"{v.min():.2f}", f"{v.max():.2f}"
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def lines(t: pd.DataFrame) -> list[str]:
+    """The REPORT's lines on the rows with a profiler breakdown: step, limit and where the step goes."""
+    if t.empty:
+        return []
+    m = t[(t["status"] == "measured") & t["prof_gemm_ms"].notna()]
+    if m.empty:
+        return [f"- Profiler breakdown: {NOT_MEASURED} (no torch.profiler trace matches a measured row)."]
+    L = ["Full-batch decode step over its limit (GEMM floor + attention roofline), and where a profiled step of "
+         "the same configuration goes, ms per step (tables/distance_to_limit.md; prefix / suffix split from "
+         "eager-step traces where present):", "",
+         "| config | Lp | B | system | step | limit | multiple | GEMMs | attention | prefix attn | suffix + merge | other | host gap |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(v, nd=2):
+        return NOT_MEASURED if pd.isna(v) else f"{v:.{nd}f}"
+    for _, r in m.iterrows():
+        L.append(f"| {r['config']} | {int(r['workload.prefix_len'])} | {int(r['workload.batch'])} | {r['system']} | "
+                 f"{f(r['step_ms'])} | {f(r['limit_ms'])} | {f(r['multiple'])} | {f(r['prof_gemm_ms'])} | {f(r['prof_attention_ms'])} | "
+                 f"{f(r['prof_prefix_attn_ms'])} | {f(r['prof_suffix_merge_ms'])} | {f(r['prof_other_ms'])} | "
+                 f"{f(r['prof_host_gap_ms'])} |")
+    under = m[m["prof_gemm_ms"] < m["gemm_floor_ms"]]
+    if not under.empty:
+        L += ["", f"In {len(under)} of these rows the GEMM kernels of a profiled step take less time than the GEMM floor "
+                  f"timed alone ({_span(under['prof_gemm_ms'])} ms against {_span(under['gemm_floor_ms'])} ms): "
+                  "there the floor is not a "
+                  "lower bound, and the multiple understates the distance to the hardware."]
+    return L

@@ -26,11 +26,12 @@ def prov(gpu):
 
 
 def serving_cell(root: Path, system="granikv", peaks=(1.0, 0.001), gpu=GPU, profile_steps=0, sweep="synthetic_grid_m_tp1",
-                 trace: dict | None = None) -> Path:
-    d = root / sweep / f"system={system}"
+                 trace: dict | None = None, cuda_graph_max_bs: int | None = None) -> Path:
+    d = root / sweep / (f"system={system}" + ("" if cuda_graph_max_bs is None else f",graph_bs={cuda_graph_max_bs}"))
     wl = {"kind": "synthetic", "prefix_len": 100, "batch": 4, "num_prefixes": 1, "suffix_len": 10, "output_len": 5,
           "arrival": "burst"}
-    hw = {"name": "h200", "dtype": "bfloat16", "peak_tflops": peaks[0], "peak_tbps": peaks[1]}
+    hw = {"name": "h200", "dtype": "bfloat16", "peak_tflops": peaks[0], "peak_tbps": peaks[1],
+          **({} if cuda_graph_max_bs is None else {"cuda_graph_max_bs": cuda_graph_max_bs})}
     rawio.write_json(d / "config.json", {"model": MODEL, "tp": 1, "system": {"name": system}, "workload": wl,
                                          "hardware": hw, "profile_steps": profile_steps, "rep": 0, "sweep_name": sweep,
                                          "provenance": prov(gpu)})
@@ -182,3 +183,52 @@ def test_profiler_breakdown(tmp_path, prefix_annotation):
 def test_attention_kernels_by_name(name, attention):
     from analysis.distance_to_limit import ATTENTION_KERNEL
     assert bool(ATTENTION_KERNEL.search(name)) == attention
+
+
+def _scaled(trace: dict, gap_us: float) -> dict:
+    """``trace`` with its second step moved ``gap_us`` later (a longer host gap, as eager steps have)."""
+    ev = [dict(e) for e in trace["traceEvents"]]
+    for e in ev:
+        if 2500.0 <= e["ts"] < 9000.0:
+            e["ts"] += gap_us
+    return {"traceEvents": ev}
+
+
+def test_graph_trace_gives_the_step_and_eager_trace_the_split(tmp_path):
+    # CUDA-graph steps carry no prefix range; the eager run of the same configuration does, with a
+    # host gap 3 ms longer: the step as served comes from the graph trace, the split from the eager one
+    serving_cell(tmp_path / "raw", system="granikv")
+    serving_cell(tmp_path / "raw", system="granikv", profile_steps=2, sweep="profiler_m_tp1", trace=_trace(False))
+    serving_cell(tmp_path / "raw", system="granikv", profile_steps=2, sweep="profiler_m_tp1",
+                 trace=_scaled(_trace(True), 3000.0), cuda_graph_max_bs=0)
+    row = table(tmp_path / "raw", tmp_path / "out").loc["granikv"]
+    assert float(row["prof_step_ms"]) == pytest.approx(2.5, abs=5e-4)
+    assert float(row["prof_host_gap_ms"]) == pytest.approx(0.8, abs=5e-4)
+    assert float(row["prof_prefix_attn_ms"]) == pytest.approx(0.5, abs=5e-4)
+    assert float(row["prof_suffix_merge_ms"]) == pytest.approx(0.0, abs=5e-4)
+    assert "split from 1 eager-step trace" in row["prof_source"]
+
+
+def test_eager_trace_alone_says_so(tmp_path):
+    serving_cell(tmp_path / "raw", system="granikv")
+    serving_cell(tmp_path / "raw", system="granikv", profile_steps=2, sweep="profiler_m_tp1",
+                 trace=_scaled(_trace(True), 3000.0), cuda_graph_max_bs=0)
+    row = table(tmp_path / "raw", tmp_path / "out").loc["granikv"]
+    assert float(row["prof_host_gap_ms"]) == pytest.approx(3.8, abs=5e-4)
+    assert "eager: no CUDA-graph trace" in row["prof_source"]
+    assert float(row["prof_prefix_attn_ms"]) == pytest.approx(0.5, abs=5e-4)
+
+
+def test_report_lines_flag_a_floor_above_the_steps_own_gemms(tmp_path):
+    # the trace's GEMMs take 1.0 ms per step, the floor timed alone 2.0 ms: not a lower bound there
+    serving_cell(tmp_path / "raw", system="granikv")
+    serving_cell(tmp_path / "raw", system="granikv", profile_steps=2, sweep="profiler_m_tp1", trace=_trace(True))
+    floor_cell(tmp_path / "raw", time_ms=2.0)
+    L = D.lines(D.frame(load_results(tmp_path / "raw")))
+    row = next(x for x in L if x.startswith("| m TP=1 | 100 | 4 | granikv |"))
+    assert "| 1.00 | 0.50 | 0.50 | 0.00 |" in row        # GEMMs, attention, prefix, suffix + merge
+    assert "1 of these rows" in L[-1] and "1.00 ms against 2.00 ms" in L[-1]
+    floor_cell(tmp_path / "raw2", time_ms=0.5)
+    serving_cell(tmp_path / "raw2", system="granikv")
+    serving_cell(tmp_path / "raw2", system="granikv", profile_steps=2, sweep="profiler_m_tp1", trace=_trace(True))
+    assert not any("not a lower bound" in x for x in D.lines(D.frame(load_results(tmp_path / "raw2"))))
