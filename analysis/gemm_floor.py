@@ -1,0 +1,76 @@
+"""The GEMM floor of one decode step (``python -m runners.kernel_bench_gemm_floor``), per model, TP shard
+and batch size M: every weight GEMM of the step timed as one CUDA graph (``step``), and each GEMM kind
+over all layers as a graph of its own (``qkv``, ``o``, ``gate_up``, ``down``, ``lm_head``).
+
+One row per (GPU, model, tp, M, part): ``time_ms`` (mean over the cells measuring it, ``n``),
+``tflops`` / ``tbps`` (the runner's FLOP and byte counts over that time), their shares of the peaks the
+bench measured on that GPU (``tflops_frac_peak``, ``tbps_frac_peak``), and for the step row
+``parts_sum_ms`` (the parts' times summed, beside the step's own). CPU cells (``hardware=cpu``) exercise the code only and are
+left out. analysis.distance_to_limit reads the step rows as ``gemm_floor_ms``.
+
+Writes tables/gemm_floor.{csv,md}.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis.common import NOT_MEASURED, write_table
+from analysis.load import Results
+
+NAME = "gemm_floor"
+FIGURES: tuple[str, ...] = ()
+PARTS = ("step", "qkv", "o", "gate_up", "down", "lm_head")
+KEYS = ["gpu", "model", "tp", "m", "part"]
+COLUMNS = KEYS + ["n", "time_ms", "tflops", "tbps", "tflops_frac_peak", "tbps_frac_peak", "parts_sum_ms", "status"]
+CMD = "python -m runners.kernel_bench_gemm_floor hardware=h200"
+
+
+def frame(res: Results) -> pd.DataFrame:
+    """The table's rows (empty frame when no GPU gemm_floor cell exists)."""
+    k = res.kernels
+    need = {"cell.kind", "k.backend", "k.time_ms", "cell.device", "cell.model.name", "cell.tp", "cell.batch",
+            "provenance.gpu_name"}
+    if k.empty or not need <= set(k.columns):
+        return pd.DataFrame(columns=COLUMNS)
+    f = k[(k["cell.kind"] == "gemm_floor") & (k["cell.device"] == "cuda") & k["provenance.gpu_name"].notna()]
+    if f.empty:
+        return pd.DataFrame(columns=COLUMNS)
+    num = {c: pd.to_numeric(f[src], errors="coerce") if src in f.columns else np.nan
+           for c, src in (("time_ms", "k.time_ms"), ("tflops", "k.tflops"), ("tbps", "k.tbps"),
+                          ("tflops_frac_peak", "k.tflops_frac_peak"), ("tbps_frac_peak", "k.tbps_frac_peak"))}
+    f = pd.DataFrame({"gpu": f["provenance.gpu_name"].astype(str), "model": f["cell.model.name"].astype(str),
+                      "tp": f["cell.tp"].astype(int), "m": f["cell.batch"].astype(int),
+                      "part": f["k.backend"].astype(str), "path": f["path"], **num})
+    g = f.groupby(KEYS, sort=True)
+    t = g[["time_ms", "tflops", "tbps", "tflops_frac_peak", "tbps_frac_peak"]].mean()
+    t["n"] = g.size()
+    t = t.reset_index()
+    parts = t[t["part"] != "step"].groupby(["gpu", "model", "tp", "m"])["time_ms"].sum().rename("parts_sum_ms")
+    t = t.merge(parts.reset_index(), on=["gpu", "model", "tp", "m"], how="left")
+    t.loc[t["part"] != "step", "parts_sum_ms"] = np.nan
+    t["status"] = np.where(t["time_ms"].notna(), "measured", NOT_MEASURED)
+    order = {p: i for i, p in enumerate(PARTS)}
+    t["_o"] = t["part"].map(order).fillna(len(PARTS))
+    t = t.sort_values(["gpu", "model", "tp", "m", "_o"], kind="stable").drop(columns="_o")
+    return t[COLUMNS].reset_index(drop=True)
+
+
+def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
+    """Write tables/gemm_floor.{csv,md}; return the table."""
+    t = frame(res)
+    text = t if not t.empty else pd.DataFrame([{"status": f"{NOT_MEASURED}: no GPU gemm_floor cell ({CMD})"}],
+                                               columns=COLUMNS)
+    shown = text.copy()
+    for c in ("parts_sum_ms", "tflops", "tbps", "tflops_frac_peak", "tbps_frac_peak"):
+        shown[c] = shown[c].astype(object).where(shown[c].notna(), "-")
+    write_table(shown, NAME, out, {"time_ms": 3, "tflops": 1, "tbps": 3, "tflops_frac_peak": 3, "tbps_frac_peak": 3,
+                                   "parts_sum_ms": 3, "tp": 0, "m": 0, "n": 0},
+                title="GEMM floor: the weight GEMMs of one decode step, one CUDA graph",
+                note="step: every weight GEMM of one decode step of one TP shard at M tokens (QKV, O, gate+up, down x "
+                     "layers, LM head), one CUDA graph, L2 flushed before each replay; the other parts: each GEMM kind "
+                     "over all layers, a graph of its own; parts_sum_ms: the parts summed (step rows). *_frac_peak: "
+                     f"over the peaks the bench measured on the GPU. Rerun: {CMD}.")
+    return t
