@@ -266,6 +266,12 @@ def bench_decode_cell(spec: BenchSpec, shape: Shape, lp: int, b: int, k: int, pe
     return rows, metrics
 
 
+def layout_bytes(variant: str, lp: int, b: int, kv_token_bytes: int, qo_bytes: int) -> int:
+    """Bytes a layout variant must move: the slab once for the contiguous variants (one call, or its
+    interleaved chunks), every request's own copy for the paged-unique ones; plus q in and o out."""
+    return (lp if variant.startswith("contiguous_dense") else b * lp) * kv_token_bytes + qo_bytes
+
+
 def bench_layout_cell(spec: BenchSpec, shape: Shape, lp: int, b: int, peaks: dict) -> tuple[list, dict]:
     """Same prefix attention from a contiguous slab vs from B private copies (paged-unique)."""
     dev, dt = torch.device(spec.device), spec.torch_dtype
@@ -285,7 +291,7 @@ def bench_layout_cell(spec: BenchSpec, shape: Shape, lp: int, b: int, peaks: dic
         out = fn()
         err = float((out.float() - ref).abs().max()) if ref is not None else None
         t = time_fn(fn, dev, spec.warmup, spec.reps, spec.l2_flush)
-        nbytes = (lp if name == "contiguous_dense" else b * lp) * tok + 2 * b * shape.hq * shape.d * slab_k.element_size()
+        nbytes = layout_bytes(name, lp, b, tok, 2 * b * shape.hq * shape.d * slab_k.element_size())
         tf, tb = flops / (t["time_ms"] * 1e-3) / 1e12, nbytes / (t["time_ms"] * 1e-3) / 1e12
         rows.append({"backend": name, **t, "flops": flops, "bytes": nbytes, "tflops": tf, "tbps": tb,
                      "tflops_frac_peak": tf / peaks["peak_tflops"], "tbps_frac_peak": tb / peaks["peak_tbps"],

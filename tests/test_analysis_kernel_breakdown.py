@@ -56,3 +56,15 @@ def test_no_profile_is_reported_not_measured(tmp_path):
     raw.mkdir()
     t = KB.build(load_results(raw), tmp_path)
     assert len(t) == 1 and t["status"].iloc[0].startswith("not measured")
+
+
+def test_split_layout_row_reads_the_slab_once_like_its_plain_sibling():
+    import pandas as pd
+    from analysis.kernel import slab_once
+    k = pd.DataFrame({"cell.kind": ["layout", "layout", "layout", "layout", "decode"],
+                      "k.backend": ["contiguous_dense", "contiguous_dense_split", "paged_unique_decode",
+                                    "contiguous_dense_split", "dense"],
+                      "path": ["a", "a", "a", "c", "b"]})
+    # cell c has no plain row to take the count from: its own count stays
+    got = slab_once(k, pd.Series([10.0, 999.0, 500.0, 42.0, 7.0])).tolist()
+    assert got == [10.0, 10.0, 500.0, 42.0, 7.0]

@@ -163,3 +163,12 @@ def test_ncu_layout_parses_every_kernel_of_each_variant(tmp_path, monkeypatch):
         assert [k["name"] for k in v["kernels"]] == ["prefill", "merge"]              # longest first
         assert v["kernels"][0]["time_us"] == 150.0 and v["kernels"][1]["time_us"] == pytest.approx(1.2)
         assert v["kernels"][1]["dram_pct"] == 5.5
+
+
+def test_layout_bytes_count_the_slab_once_for_both_contiguous_variants():
+    from runners import kernel_bench as kb
+    tok, qo = 2 * 8 * 128 * 2, 1000
+    one = kb.layout_bytes("contiguous_dense", 16384, 256, tok, qo)
+    assert one == 16384 * tok + qo
+    assert kb.layout_bytes("contiguous_dense_split", 16384, 256, tok, qo) == one      # the chunks read the slab once
+    assert kb.layout_bytes("paged_unique_decode", 16384, 256, tok, qo) == 256 * 16384 * tok + qo
