@@ -1,5 +1,6 @@
 """Profiler prefix-attention kernel time (paper B.3): torch.profiler traces (``trace.json.gz``; plain ``trace.json`` also read) of
-the serving cells run with ``profile_steps > 0`` (B=256, Lp=8K), per system.
+the serving cells run with ``profile_steps > 0`` with CUDA-graph steps, per system and point (B.3's:
+B=256, Lp=8K, the figure's); traces of eager steps feed analysis.distance_to_limit only.
 
 From each Chrome-format trace we sum, over GPU kernel events (``ph == "X"``, category
 ``kernel``), the time of attention kernels: events inside a ``gpu_user_annotation`` named
@@ -29,6 +30,7 @@ FIGURES = (NAME,)
 ATTENTION_KERNEL = re.compile(r"Decode|Prefill|MergeState|merge_state|[Aa]ttention|[Cc]ascade|flash", re.ASCII)
 ANNOTATION = "prefix_attention"
 PROFILED_CONFIGS = ("llama3_8b TP=1", "qwen25_32b TP=4")  # the two configs B.3 traces
+B3_POINT = {"workload.prefix_len": 8192, "workload.batch": 256}
 
 
 def trace_times(path: Path) -> dict[str, float]:
@@ -78,9 +80,28 @@ def trace_frame(res: Results) -> pd.DataFrame:
     return df
 
 
+def graph_traces(tf: pd.DataFrame) -> pd.DataFrame:
+    """Where a configuration has traces of CUDA-graph decode steps, those alone: its traces of eager steps
+    (``hardware.cuda_graph_max_bs=0``, run for their prefix / suffix split) feed
+    analysis.distance_to_limit's breakdown instead. A configuration traced only eagerly (a CPU run) keeps them."""
+    if tf.empty or "hardware.cuda_graph_max_bs" not in tf.columns:
+        return tf
+    eager = pd.to_numeric(tf["hardware.cuda_graph_max_bs"], errors="coerce").fillna(1) == 0
+    key = ["config", "system", "workload.prefix_len", "workload.batch"]
+    has_graph = (~eager).groupby([tf[k].astype(str) for k in key]).transform("any")
+    return tf[~(eager & has_graph)]
+
+
+def at_b3_point(t: pd.DataFrame) -> pd.DataFrame:
+    """The rows at B.3's point (B=256, Lp=8K), the figure's."""
+    keep = (pd.to_numeric(t["workload.prefix_len"], errors="coerce") == B3_POINT["workload.prefix_len"]) & \
+           (pd.to_numeric(t["workload.batch"], errors="coerce") == B3_POINT["workload.batch"])
+    return t[keep]
+
+
 def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     """Write this module's table (and, unless ``figures`` is False, its figures); return the table."""
-    tf = trace_frame(res)
+    tf = graph_traces(trace_frame(res))
     dims = ["config", "workload.prefix_len", "workload.batch", "system"]
     if tf.empty:
         t = pd.DataFrame([{"config": c, "status": NOT_MEASURED} for c in PROFILED_CONFIGS])
@@ -103,7 +124,7 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     t["status"] = np.where(t["attention_ms"].notna(), "measured", f"{NOT_MEASURED}: trace has no GPU kernel events")
     t = sort_rows(t.drop(columns=["_b"]), keys + ["system"])
     write_table(t, NAME, out, {"attention_ms": 1, "kernel_ms": 1, "share": 3, "default_over_system": 2},
-                title="Profiler: prefix-attention kernel time (B=256, Lp=8K)",
+                title="Profiler: prefix-attention kernel time (B.3: B=256, Lp=8K; other profiled points beside it)",
                 note="attention_ms / kernel_ms: summed GPU kernel time over the profiled window; "
                      "default_over_system = sglang_default attention time / this system's (paper: cascade 3.66x Llama TP1, 1.24x Qwen-32B TP4).")
     if not figures:
@@ -112,7 +133,10 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     if m.empty:
         placeholder_figure(NAME, out, "profiler traces hold no GPU kernel events (CPU runs)")
         return t
-    draw(m, tf, out)
+    if at_b3_point(m).empty:
+        placeholder_figure(NAME, out, "no measured trace at B.3's point (B=256, Lp=8K)")
+        return t
+    draw(at_b3_point(m), at_b3_point(tf), out)
     return t
 
 
