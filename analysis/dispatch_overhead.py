@@ -74,9 +74,10 @@ def _decode_timings(cell: str | Path) -> tuple[int, float, tuple[float, float] |
 def overhead_frame(res: Results) -> pd.DataFrame:
     """One row per dispatch_overhead cell: its columns plus decode steps, mean decode step ms,
     dispatcher us per step (and where it comes from), plan() us, and ``share_pct``. Every cell, those
-    analysis.clean sets aside included: graph capture in a run does not touch the dispatcher's CPU time."""
+    analysis.clean sets aside included: graph capture in a run does not touch the dispatcher's CPU time.
+    Instrumented cells (torch.profiler, nsys) are left out: the profiler's host hooks slow the dispatcher too."""
     cells = with_derived(all_cells(res))
-    cells = select(cells, SELECT) if not cells.empty else cells
+    cells = select(cells, {**SELECT, "instrumented": "=False"}) if not cells.empty else cells
     if not cells.empty:   # the plugin inside real SGLang: its dispatch cost is in tables/in_sglang (its own counters)
         cells = cells[~cells["system"].str.startswith("sglang_server")]
     bench_us, plan_us = bench_dispatch_us(res)

@@ -562,3 +562,10 @@ def test_claim_without_a_better_side_is_explained_when_off_the_paper(res):
     none = ev.iloc[0].copy()
     none["selectors"] = sel.replace("128", "4096")
     assert claim_steps_line(res, none) == ""
+
+
+def test_dispatch_overhead_leaves_the_profiled_cell_out(res):
+    from analysis.dispatch_overhead import overhead_frame
+    t = overhead_frame(res)
+    assert len(t) == 3 and set(t["system"]) == {"granikv"}      # the 3 plain GraniKV cells, not the profiled one
+    assert (pd.to_numeric(t["profile_steps"], errors="coerce").fillna(0) == 0).all()
