@@ -69,6 +69,7 @@ from analysis.common import (GRID_B, LPS, NOT_MEASURED, PAPER_CONFIG_LABELS, pla
                              with_derived, write_table)
 from analysis.headline_steps import cell_steps
 from analysis.load import Results, SchemaError
+from analysis.profiler import eager_steps
 from granikv.config import SYSTEMS
 from granikv.rawio import exists as rawio_exists
 from granikv.rawio import read_jsonl
@@ -143,21 +144,11 @@ def peaks_of(cell: pd.Series, gpu: str | None) -> tuple[float, float] | None:
 
 def gemm_floors(res: Results) -> pd.DataFrame:
     """The measured GEMM floors: one row per (model, tp, M, gpu) with ``gemm_floor_ms`` (mean over the
-    cells measuring it) and ``n_floor``; GPU cells whose step was timed as a CUDA graph only."""
-    cols = ["model", "tp", "m", "gpu", "gemm_floor_ms", "n_floor"]
-    k = res.kernels
-    need = {"cell.kind", "k.backend", "k.time_ms", "k.graph", "cell.device", "cell.model.name", "cell.tp", "cell.batch",
-            "provenance.gpu_name"}
-    if k.empty or not need <= set(k.columns):
-        return pd.DataFrame(columns=cols)
-    f = k[(k["cell.kind"] == "gemm_floor") & (k["k.backend"] == "step") & (k["cell.device"] == "cuda")
-          & (k["k.graph"] == True) & k["provenance.gpu_name"].notna()]  # noqa: E712
-    if f.empty:
-        return pd.DataFrame(columns=cols)
-    f = f.assign(model=f["cell.model.name"].astype(str), tp=f["cell.tp"].astype(int), m=f["cell.batch"].astype(int),
-                 gpu=f["provenance.gpu_name"].astype(str), t=pd.to_numeric(f["k.time_ms"], errors="coerce"))
-    g = f.groupby(["model", "tp", "m", "gpu"], sort=True)["t"]
-    return pd.DataFrame({"gemm_floor_ms": g.mean(), "n_floor": g.count()}).reset_index()[cols]
+    cells measuring it) and ``n_floor``: the ``step`` rows of analysis.gemm_floor."""
+    from analysis.gemm_floor import frame as floor_frame
+    t = floor_frame(res)
+    t = t[t["part"] == "step"].rename(columns={"time_ms": "gemm_floor_ms", "n": "n_floor"})
+    return t[["model", "tp", "m", "gpu", "gemm_floor_ms", "n_floor"]].reset_index(drop=True)
 
 
 # ---- the profiler breakdown -----------------------------------------------------------------------------
@@ -263,11 +254,11 @@ def profiled(res: Results) -> dict[tuple, list[tuple[tuple, Path, bool]]]:
     if cells.empty or "profile_steps" not in cells.columns:
         return out
     prof = cells[(cells["kind"] == "serving") & (pd.to_numeric(cells["profile_steps"], errors="coerce").fillna(0) > 0)]
+    eager = eager_steps(prof)
     for _, r in prof.iterrows():
         p = next((f for f in (Path(res.root) / r["path"] / n for n in ("trace.json.gz", "trace.json")) if f.exists()), None)
         if p is not None:
-            graph_bs = pd.to_numeric(pd.Series([r.get("hardware.cuda_graph_max_bs")]), errors="coerce").iloc[0]
-            out.setdefault(_key(r, PROFILE_KEY), []).append((_key(r, PROFILE_MATCH), p, bool(graph_bs == 0)))
+            out.setdefault(_key(r, PROFILE_KEY), []).append((_key(r, PROFILE_MATCH), p, bool(eager[r.name])))
     return out
 
 

@@ -5,8 +5,8 @@ over all layers as a graph of its own (``qkv``, ``o``, ``gate_up``, ``down``, ``
 One row per (GPU, model, tp, M, part): ``time_ms`` (mean over the cells measuring it, ``n``),
 ``tflops`` / ``tbps`` (the runner's FLOP and byte counts over that time), their shares of the peaks the
 bench measured on that GPU (``tflops_frac_peak``, ``tbps_frac_peak``), and for the step row
-``parts_sum_ms`` (the parts' times summed, beside the step's own). CPU cells (``hardware=cpu``) exercise the code only and are
-left out. analysis.distance_to_limit reads the step rows as ``gemm_floor_ms``.
+``parts_sum_ms`` (the parts' times summed, beside the step's own). CPU cells (``hardware=cpu``) exercise the code only, and a
+row timed without its CUDA graph is no floor: both are left out. analysis.distance_to_limit reads the step rows as ``gemm_floor_ms``.
 
 Writes tables/gemm_floor.{csv,md}.
 """
@@ -31,11 +31,12 @@ CMD = "python -m runners.kernel_bench_gemm_floor hardware=h200"
 def frame(res: Results) -> pd.DataFrame:
     """The table's rows (empty frame when no GPU gemm_floor cell exists)."""
     k = res.kernels
-    need = {"cell.kind", "k.backend", "k.time_ms", "cell.device", "cell.model.name", "cell.tp", "cell.batch",
-            "provenance.gpu_name"}
+    need = {"cell.kind", "k.backend", "k.time_ms", "k.graph", "cell.device", "cell.model.name", "cell.tp",
+            "cell.batch", "provenance.gpu_name"}
     if k.empty or not need <= set(k.columns):
         return pd.DataFrame(columns=COLUMNS)
-    f = k[(k["cell.kind"] == "gemm_floor") & (k["cell.device"] == "cuda") & k["provenance.gpu_name"].notna()]
+    f = k[(k["cell.kind"] == "gemm_floor") & (k["cell.device"] == "cuda") & (k["k.graph"] == True)  # noqa: E712
+          & k["provenance.gpu_name"].notna()]
     if f.empty:
         return pd.DataFrame(columns=COLUMNS)
     num = {c: pd.to_numeric(f[src], errors="coerce") if src in f.columns else np.nan

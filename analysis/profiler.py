@@ -80,13 +80,20 @@ def trace_frame(res: Results) -> pd.DataFrame:
     return df
 
 
+def eager_steps(cells: pd.DataFrame) -> pd.Series:
+    """Per cell: its decode steps ran without CUDA graphs (``hardware.cuda_graph_max_bs`` = 0)."""
+    if "hardware.cuda_graph_max_bs" not in cells.columns:
+        return pd.Series(False, index=cells.index)
+    return pd.to_numeric(cells["hardware.cuda_graph_max_bs"], errors="coerce").fillna(1) == 0
+
+
 def graph_traces(tf: pd.DataFrame) -> pd.DataFrame:
     """Where a configuration has traces of CUDA-graph decode steps, those alone: its traces of eager steps
     (``hardware.cuda_graph_max_bs=0``, run for their prefix / suffix split) feed
     analysis.distance_to_limit's breakdown instead. A configuration traced only eagerly (a CPU run) keeps them."""
-    if tf.empty or "hardware.cuda_graph_max_bs" not in tf.columns:
+    if tf.empty:
         return tf
-    eager = pd.to_numeric(tf["hardware.cuda_graph_max_bs"], errors="coerce").fillna(1) == 0
+    eager = eager_steps(tf)
     key = ["config", "system", "workload.prefix_len", "workload.batch"]
     has_graph = (~eager).groupby([tf[k].astype(str) for k in key]).transform("any")
     return tf[~(eager & has_graph)]

@@ -1,5 +1,5 @@
 """analysis.gemm_floor: the step row and its parts per (GPU, model, TP, M), repetitions averaged, the parts'
-sum beside the step, CPU cells left out, and a table that says not measured (with the command) without
+sum beside the step, CPU cells and rows timed without their graph left out, and a table that says not measured (with the command) without
 GPU cells."""
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from analysis import gemm_floor as G
 from analysis.common import NOT_MEASURED
 
 
-def _rows(m=256, device="cuda", times=None, path="gemm_floor/x"):
+def _rows(m=256, device="cuda", times=None, path="gemm_floor/x", graph=True):
     times = times or {"step": 7.0, "qkv": 0.7, "o": 0.6, "gate_up": 3.5, "down": 1.8, "lm_head": 0.5}
     return [{"cell.kind": "gemm_floor", "cell.device": device, "cell.model.name": "llama3_8b", "cell.tp": 1,
-             "cell.batch": m, "provenance.gpu_name": "NVIDIA H200", "k.backend": p, "k.time_ms": t,
+             "cell.batch": m, "provenance.gpu_name": "NVIDIA H200", "k.backend": p, "k.time_ms": t, "k.graph": graph,
              "k.tflops": 100.0, "k.tbps": 2.0, "path": path} for p, t in times.items()]
 
 
@@ -35,6 +35,7 @@ def test_step_and_parts_in_order_with_the_parts_sum():
 
 def test_cpu_cells_are_left_out_and_nothing_left_says_not_measured(tmp_path):
     assert _frame(_rows(device="cpu")).empty
+    assert _frame(_rows(graph=False)).empty             # timed without its graph: no floor
     t = G.build(SimpleNamespace(kernels=pd.DataFrame(_rows(device="cpu"))), tmp_path)
     assert t.empty
     text = (tmp_path / "tables" / "gemm_floor.md").read_text()
