@@ -143,8 +143,11 @@ def lines(t: pd.DataFrame) -> list[str]:
          "The paper fixes the HOT fraction at boot and admits regressions at short prefixes and large batches. "
          "`granikv_dynamic` moves the HOT/COLD boundary online over free rows (no cached slab moves), and the "
          "dispatcher's guard picks paged wherever its calibration (graph-replayed and eager steps) found another "
-         "option slower. Target: GraniKV >= 0.97x SGLang default in every cell below; 1.82x at heterogeneous k=8. "
-         "Cell by cell: tables/beyond.md.", ""]
+         "option slower. Its calibration (runners.calibrate, results/raw/calibration_eager) costs an eager step "
+         "as device time plus host launch time, so the eager rules differ from the graph ones; a GraniKV row "
+         "measured before that calibration carries the older table (column table). Target: GraniKV >= 0.97x "
+         "SGLang default in every cell below; 1.82x at heterogeneous k=8. Cell by cell: tables/beyond.md; where "
+         "each variant's time goes: tables/beyond_steps.md.", ""]
     if t.empty:
         return L + [f"({NOT_MEASURED}: no cells)"]
     for fam, g in t.groupby("family", sort=False):

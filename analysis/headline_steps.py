@@ -68,7 +68,7 @@ def _cell_steps(path: str | Path, batch: int) -> dict:
             "decode_eager_p50_ms": float(eager["step_time_s"].median() * 1e3) if len(eager) else np.nan,
             "decode_full_p50_ms": float(full["step_time_s"].median() * 1e3) if len(full) else np.nan,
             "decode_full_steps": len(full),
-            "decode_s": float(dec["step_time_s"].sum()), "prefill_s": float(pre["step_time_s"].sum()),
+            "decode_s": float(dec["step_time_s"].sum()), "decode_steps": len(dec), "prefill_s": float(pre["step_time_s"].sum()),
             "prefill_steps": len(pre),
             "prefill_p50_ms": float(pre["step_time_s"].median() * 1e3) if len(pre) else np.nan,
             "decode_batch_mean": float(dec["batch_size"].mean()) if len(dec) else np.nan}

@@ -570,14 +570,16 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
     cache: dict = {}
     for _, c in ev.iterrows():
         L += claim_section(res, ev, c, cache)
-    from analysis import beyond, coverage, distance_to_limit, prefix_kernel
+    from analysis import beyond, beyond_steps, coverage, distance_to_limit, prefix_kernel
     L += ["", "## Toward the hardware limit", "",
           "How far each system's decode step runs from the hardware, and GraniKV's dense prefix path kernel by "
           "kernel. The GEMM floor is every weight GEMM of one decode step timed alone as one CUDA graph "
           "(tables/gemm_floor.md).", ""]
     L += distance_to_limit.lines(distance_to_limit.frame(res))
     L += prefix_kernel.lines(prefix_kernel.frame(res))
-    L += beyond.lines(beyond.beyond_frame(res))
+    bt = beyond.beyond_frame(res)
+    L += beyond.lines(bt)
+    L += beyond_steps.miss_lines(bt, beyond_steps.steps_frame(res))
     L += ["", "## Campaign coverage", "",
           "Every cell the campaign plans (`conf/campaign.yaml`, expanded as runners.run expands each sweep), "
           "against the raw results; cell by cell in tables/coverage_cells.md; the command, GPUs and time per claim "

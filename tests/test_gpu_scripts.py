@@ -371,3 +371,30 @@ def test_jit_cache_is_restored_from_the_last_call_else_from_the_committed_seed(t
     parts.mkdir(parents=True)
     (parts / "fi_cache.tar.xz.part-aa").write_bytes(b"x")
     assert where() == str(parts)
+
+
+def test_calibrate_sh_measures_fits_and_packs_its_cells_and_table(repo, tmp_path):
+    """runners/gpu/calibrate.sh on CPU (GRANIKV_ENV_CPU_TEST, the calibration's cpu preset): the cells go to
+    results/raw/calibration_eager with graph and eager host times, the fitted table into the hardware yaml,
+    and both come back in cal.tar.gz; a second call measures nothing again."""
+    env = {**os.environ, "GRANIKV_ENV_CPU_TEST": "1", "PYTHON": sys.executable, "GRANIKV_BUDGET_S": "300",
+           "GRANIKV_PACK_RESERVE_S": "10", "GRANIKV_GIT_COMMIT": "0" * 40, "GRANIKV_GIT_DIRTY": "false",
+           "GRANIKV_CAL_HARDWARE": "cpu"}
+    args = ["prefix_lens=[16]", "batches=[1,4]"]
+
+    def run(out):
+        return subprocess.run(["bash", "runners/gpu/calibrate.sh", *args], cwd=repo, env={**env, "OUT": str(out)},
+                              capture_output=True, text=True, timeout=600)
+
+    p = run(tmp_path / "o1")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "calibrate: 2 measured" in p.stdout
+    with tarfile.open(tmp_path / "o1" / "cal.tar.gz", "r:gz") as t:
+        names = t.getnames()
+    assert "results/raw/calibration_eager/tiny_g4-lp16-b4/metrics.json" in names
+    assert "results/raw/calibration_eager/fit-tiny_g4/metrics.json" in names and "conf/hardware/cpu.yaml" in names
+    m = json.loads((repo / "results/raw/calibration_eager/tiny_g4-lp16-b4/metrics.json").read_text())
+    assert {"host_ms_eager_paged", "time_ms_eager_dense", "time_ms_granikv_cascade"} <= set(m)
+    assert "decision_table" in (repo / "conf/hardware/cpu.yaml").read_text()
+    again = run(tmp_path / "o2")
+    assert again.returncode == 0 and "calibrate: 0 measured, 2 already done" in again.stdout
