@@ -18,12 +18,13 @@ Writes tables/beyond_steps.{csv,md}; ``miss_lines`` gives the REPORT's lines on 
 """
 from __future__ import annotations
 
+from itertools import product
 from pathlib import Path
 
 import pandas as pd
 
 from analysis import beyond
-from analysis.common import json_digest, select, with_derived, write_table
+from analysis.common import NOT_MEASURED, json_digest, select, with_derived, write_table
 from analysis.headline_steps import cell_steps
 from analysis.load import Results
 
@@ -31,12 +32,24 @@ NAME = "beyond_steps"
 FIGURES: tuple[str, ...] = ()
 STEP_COLS = ["prefill_s", "decode_s", "decode_steps", "decode_eager_steps", "decode_eager_s", "decode_batch_mean"]
 COLUMNS = (["family", "point", "system", "table", "n"] + STEP_COLS + [f"base_{c}" for c in STEP_COLS]
-           + ["decode_speedup", "prefill_share"])
+           + ["decode_speedup", "prefill_share", "status"])
 
 
 def family_steps(cells: pd.DataFrame, root: Path, fam: beyond.Family) -> pd.DataFrame:
-    """One row per (point, system, table) of ``fam`` with a measured cell (COLUMNS); the baseline's
-    step columns pooled per point."""
+    """One row per (point, system, table) of ``fam`` with a measured cell (COLUMNS; the baseline's step
+    columns pooled per point), and a not-measured row per expected (point, variant) without one."""
+    measured = _measured(cells, root, fam)
+    seen = set(zip(measured["point"], measured["system"])) if not measured.empty else set()
+    missing = [{"family": fam.name, "point": beyond._point(fam, values), "system": system, "table": "-", "n": 0,
+                "status": NOT_MEASURED}
+               for values in product(*fam.dims.values()) for system in beyond.VARIANTS
+               if (beyond._point(fam, values), system) not in seen]
+    parts = [p for p in (measured, pd.DataFrame(missing, columns=COLUMNS)) if not p.empty]
+    return pd.concat(parts, ignore_index=True)[COLUMNS] if parts else pd.DataFrame(columns=COLUMNS)
+
+
+def _measured(cells: pd.DataFrame, root: Path, fam: beyond.Family) -> pd.DataFrame:
+    """The rows of ``fam``'s (point, system, table) groups that have a variant cell."""
     df = select(cells, {**fam.sel, "instrumented": "=False"}) if not cells.empty else cells
     df = df[df["system"].isin((beyond.BASE,) + beyond.VARIANTS)] if not df.empty else df
     if df.empty:
@@ -61,6 +74,7 @@ def family_steps(cells: pd.DataFrame, root: Path, fam: beyond.Family) -> pd.Data
     agg["prefill_share"] = agg["prefill_s"] / (agg["prefill_s"] + agg["decode_s"])
     agg["family"] = fam.name
     agg["point"] = [beyond._point(fam, tuple(r[d] for d in dims)) for _, r in agg.iterrows()]
+    agg["status"] = "measured"
     return agg[COLUMNS]
 
 
@@ -90,6 +104,7 @@ def miss_lines(t: pd.DataFrame, steps: pd.DataFrame) -> list[str]:
     """One REPORT line per measured row of analysis.beyond's table ``t`` that misses its target, with
     its step breakdown from ``steps`` (this module's table)."""
     miss = t[t["meets"] == "no"]
+    steps = steps[steps["status"] == "measured"]
     if miss.empty:
         return []
     key = ["family", "point", "system", "table"]

@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from analysis import beyond, beyond_steps
+from analysis.common import NOT_MEASURED
 from analysis.load import SchemaError
 from granikv import rawio
 
@@ -42,8 +43,15 @@ def test_a_variant_row_holds_its_breakdown_and_the_baselines(tmp_path):
                           _cell(tmp_path, "sglang_default", 100.0, decode_ms=300.0, rep=1),
                           _cell(tmp_path, "granikv_dynamic", 150.0, decode_ms=50.0, eager=3)])
     t = beyond_steps.steps_frame(res)
-    assert list(t["system"]) == ["granikv_dynamic"]          # the baseline only as base_* columns
-    r = t.iloc[0]
+    m = t[t["status"] == "measured"]
+    assert list(m["system"]) == ["granikv_dynamic"]          # the baseline only as base_* columns
+    point = "config=llama3_8b TP=1, prefix_len=1024, batch=32"
+    static = t[(t["point"] == point) & (t["system"] == "granikv")]
+    assert list(static["status"]) == [NOT_MEASURED]          # an expected point without a cell is listed
+    # every expected (point, variant) of every family is there, measured or not
+    assert len(t) == sum(len(list(__import__("itertools").product(*f.dims.values()))) * len(beyond.VARIANTS)
+                         for f in beyond.FAMILIES)
+    r = m.iloc[0]
     assert r["point"] == "config=llama3_8b TP=1, prefix_len=1024, batch=32" and r["n"] == 1
     assert r["decode_s"] == pytest.approx(0.5) and r["decode_steps"] == 10 and r["decode_eager_steps"] == 3
     assert r["decode_eager_s"] == pytest.approx(0.15) and r["prefill_s"] == pytest.approx(1.0)

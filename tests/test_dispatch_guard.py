@@ -228,12 +228,21 @@ def _old_choose(rules, gpu, shape, lp, b):
     return paper_rule(meff)
 
 
-def test_committed_h200_table_decides_as_before_for_every_step_kind():
+def _committed_h200():
     hw = yaml.safe_load((ROOT / "conf" / "hardware" / "h200.yaml").read_text())
     table = hw["decision_table"]
-    assert not any("graph" in r or "cold" in r for r in table)      # no GPU run has recalibrated yet
-    shapes = sorted({(r["num_q_heads"], r["num_kv_heads"], r["head_dim"]) for r in table})
-    edges = sorted({v for r in table for v in (r.get("lp_min"), r.get("lp_max")) if v})
+    by_shape: dict[tuple, list[dict]] = {}
+    for r in table:
+        by_shape.setdefault((r["num_q_heads"], r["num_kv_heads"], r["head_dim"]), []).append(r)
+    return hw, table, by_shape
+
+
+def test_committed_h200_graph_only_tables_decide_as_before_for_every_step_kind():
+    """Shapes whose rules name no step kind (fitted before eager times were recorded) decide as the code
+    before step kinds did, in graph and eager steps alike."""
+    hw, table, by_shape = _committed_h200()
+    shapes = sorted(k for k, rs in by_shape.items() if not any("graph" in r or "cold" in r for r in rs))
+    edges = sorted({v for k in shapes for r in by_shape[k] for v in (r.get("lp_min"), r.get("lp_max")) if v})
     lps = sorted({1, 256, 512, 2048, 8192, 16384, 32768} | {e + o for e in edges for o in (-1, 0, 1)})
     bs = range(0, 1100)
     n = 0
@@ -257,7 +266,34 @@ def test_committed_h200_table_decides_as_before_for_every_step_kind():
                         w = _old_choose(table, hw["gpu_name"], shape, lp, c.n_real)
                         assert c.choice == ("cascade" if w == "dense" and c.hot_start < 0 else w)
         assert d.fallbacks == 0
-    assert len(shapes) == 3 and len(lps) >= 16 and n == len(shapes) * len(lps) * len(bs)
+    assert len(shapes) >= 2 and len(lps) >= 16 and n == len(shapes) * len(lps) * len(bs)
+
+
+def test_committed_h200_step_kind_tables_are_the_fit_of_the_committed_eager_calibration():
+    """Shapes with graph / eager rules: the committed rules are exactly what runners.calibrate fits from the
+    committed calibration_eager points (so the table holds no hand edit), the guard holds at every point
+    (a non-paged choice only where it was measured faster than paged, in its step kind's cost), and the
+    dispatcher decides by step kind."""
+    hw, table, by_shape = _committed_h200()
+    fitted = {k: rs for k, rs in by_shape.items() if any("graph" in r for r in rs)}
+    assert {(32, 8, 128), (40, 8, 128)} <= set(fitted)          # Llama-3.1-8B, Qwen2.5-14B at TP=1
+    cal = ROOT / "results" / "raw" / "calibration_eager"
+    for (hq, hkv, dd), rules in fitted.items():
+        fit_dir = next(f for f in cal.glob("fit-*")
+                       if rawio.read_json(f / "config.json")["cell"]["shape"] == {"name": f.name[4:], "hq": hq,
+                                                                                    "hkv": hkv, "d": dd})
+        points = rawio.read_jsonl(fit_dir / "kernel.jsonl")
+        assert len(points) == 40 and all("host_eager" in p for p in points)
+        assert fit(points, hw["gpu_name"], Shape(fit_dir.name[4:], hq, hkv, dd)) == rules
+        assert rawio.read_json(fit_dir / "metrics.json")["decision_table"] == rules
+        d = Dispatcher(hq, hkv, dd, hw["gpu_name"], table)
+        assert d.kind_specific
+        for p in points:
+            b = p["meff"] * hkv // hq
+            for graph, cost in ((True, p["times"]), (False, eager_costs(p))):
+                c = d.choose(p["prefix_len"], b, graph=graph)
+                assert c == guarded_best(cost), (p["prefix_len"], p["meff"], graph)
+                assert c == "paged" or cost[c] < cost["paged"]
 
 
 # ---------------------------------------------------------------- per-step host cost: a dict lookup

@@ -20,7 +20,7 @@
 # Steps 3-4 stop starting new cells when the call's time budget runs out; cells already done are
 # skipped on the next call (carry results/raw/... back). A summary table is printed at the end.
 # Knobs (environment): GRANIKV_RERUN_TESTS=1 reruns the GPU tests after a recorded pass,
-# GRANIKV_RECALIBRATE=1 recalibrates over an existing fitted table, GRANIKV_KB_WITHOUT_TABLE=1 runs
+# GRANIKV_RECALIBRATE=1 recalibrates over an existing fitted table (into results/raw/calibration_eager), GRANIKV_KB_WITHOUT_TABLE=1 runs
 # kernel_bench before the table is fitted, GRANIKV_NCU=false skips the ncu profiles, and the time
 # budget of runners/gpu/env.sh (GRANIKV_BUDGET_S, GRANIKV_PACK_RESERVE_S).
 set -uo pipefail
@@ -60,7 +60,10 @@ if have_table && [ -z "${GRANIKV_RECALIBRATE:-}" ]; then
   log "conf/hardware/h200.yaml already has a fitted decision_table for both shapes; calibration skipped"
 elif [ "$T" -gt 30 ]; then
   log "calibrate (budget ${T}s)"
-  $PY -m runners.calibrate hardware=h200 time_budget_s=$T 2>&1 | tail -40
+  # a recalibration measures into calibration_eager: the cells in results/raw/calibration predate the
+  # eager host times, and runners.calibrate never overwrites a raw cell
+  CAL_SWEEP=calibration; [ -n "${GRANIKV_RECALIBRATE:-}" ] && CAL_SWEEP=calibration_eager
+  $PY -m runners.calibrate hardware=h200 sweep_name=$CAL_SWEEP time_budget_s=$T 2>&1 | tail -40
 fi
 T=$(left)
 if ! have_table && [ -z "${GRANIKV_KB_WITHOUT_TABLE:-}" ]; then
@@ -77,7 +80,7 @@ fi
 log "packing into $OUT"
 FILES=""
 for f in conf/hardware/h200.yaml; do [ -f "$f" ] && FILES="$FILES $f"; done
-tar -czf "$OUT/attn_results.tar.gz" results/raw/kernel results/raw/calibration results/raw/attention_gpu $FILES 2>/dev/null
+tar -czf "$OUT/attn_results.tar.gz" results/raw/kernel results/raw/calibration results/raw/calibration_eager results/raw/attention_gpu $FILES 2>/dev/null
 ls -la "$OUT/attn_results.tar.gz"
 pack_fi_cache 5
 ls -la "$OUT"
