@@ -20,6 +20,7 @@ Writes tables/beyond.{csv,md}; ``lines`` gives the REPORT's "Beyond the paper" s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import product
 from pathlib import Path
 
 import pandas as pd
@@ -110,13 +111,16 @@ def family_rows(cells: pd.DataFrame, config_cols: list[str], fam: Family) -> lis
                          "meets": NOT_MEASURED if pd.isna(ratio) else ("yes" if ratio >= target else "no"),
                          "code": r["code"], "status": "measured" if pd.notna(ratio) else f"{NOT_MEASURED} (no {BASE} twin)"})
             seen.add((values, r["system"]))
-    from itertools import product
-    for values in product(*fam.dims.values()):
-        for system in VARIANTS:
-            if (values, system) not in seen:
-                rows.append({"family": fam.name, "point": _point(fam, values), "system": system, "table": "-", "n": 0,
-                             "target": fam.targets.get(values, TARGET), "meets": NOT_MEASURED, "status": NOT_MEASURED})
+    for values, system in expected(fam):
+        if (values, system) not in seen:
+            rows.append({"family": fam.name, "point": _point(fam, values), "system": system, "table": "-", "n": 0,
+                         "target": fam.targets.get(values, TARGET), "meets": NOT_MEASURED, "status": NOT_MEASURED})
     return rows
+
+
+def expected(fam: Family):
+    """Every (point values, variant) the family expects a cell for, in table order."""
+    return ((values, system) for values in product(*fam.dims.values()) for system in VARIANTS)
 
 
 def beyond_frame(res: Results) -> pd.DataFrame:

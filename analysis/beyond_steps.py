@@ -18,7 +18,6 @@ Writes tables/beyond_steps.{csv,md}; ``miss_lines`` gives the REPORT's lines on 
 """
 from __future__ import annotations
 
-from itertools import product
 from pathlib import Path
 
 import pandas as pd
@@ -42,8 +41,7 @@ def family_steps(cells: pd.DataFrame, root: Path, fam: beyond.Family) -> pd.Data
     seen = set(zip(measured["point"], measured["system"])) if not measured.empty else set()
     missing = [{"family": fam.name, "point": beyond._point(fam, values), "system": system, "table": "-", "n": 0,
                 "status": NOT_MEASURED}
-               for values in product(*fam.dims.values()) for system in beyond.VARIANTS
-               if (beyond._point(fam, values), system) not in seen]
+               for values, system in beyond.expected(fam) if (beyond._point(fam, values), system) not in seen]
     parts = [p for p in (measured, pd.DataFrame(missing, columns=COLUMNS)) if not p.empty]
     return pd.concat(parts, ignore_index=True)[COLUMNS] if parts else pd.DataFrame(columns=COLUMNS)
 
