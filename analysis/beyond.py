@@ -95,8 +95,7 @@ def _point(fam: Family, values: tuple) -> str:
 
 def family_rows(cells: pd.DataFrame, config_cols: list[str], fam: Family) -> list[dict]:
     """The rows of one family (see the module doc); ``cells`` carry analysis.common.with_derived's columns."""
-    df = select(cells, {**fam.sel, "instrumented": "=False"}) if not cells.empty else cells
-    df = df[df["system"].isin((BASE,) + VARIANTS)] if not df.empty else df
+    df = family_cells(cells, fam)
     dims = list(fam.dims)
     # config keys that vary inside the family beyond the point (a setting two sweeps differ in) split rows;
     # the decision table and the system's own keys do not (see the module doc)
@@ -146,6 +145,12 @@ def _targets_from(fam: Family, rows: list[dict]) -> list[dict]:
     return rows
 
 
+def family_cells(cells: pd.DataFrame, fam: Family) -> pd.DataFrame:
+    """``fam``'s uninstrumented cells of SGLang default and the variants (``cells`` with_derived)."""
+    df = select(cells, {**fam.sel, "instrumented": "=False"}) if not cells.empty else cells
+    return df[df["system"].isin((BASE,) + VARIANTS)] if not df.empty else df
+
+
 def expected(fam: Family):
     """Every (point values, variant) the family expects a cell for, in table order."""
     return ((values, system) for values in product(*fam.dims.values()) for system in VARIANTS)
@@ -156,6 +161,15 @@ def beyond_frame(res: Results) -> pd.DataFrame:
     cells = with_derived(res.cells)
     rows = [r for fam in FAMILIES for r in family_rows(cells, res.config_columns, fam)]
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def per_family(res: Results, family_frame, columns: list[str]) -> pd.DataFrame:
+    """``family_frame(cells, root, fam)`` (a DataFrame of ``columns``) for every family, in FAMILIES order,
+    concatenated: how the step and plan tables beside this one walk the same cells."""
+    cells = with_derived(res.cells)
+    parts = [family_frame(cells, Path(res.root), fam) for fam in FAMILIES]
+    parts = [p for p in parts if not p.empty]
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=columns)
 
 
 def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis import beyond
-from analysis.common import NOT_MEASURED, json_digest, select, with_derived, write_table
+from analysis.common import NOT_MEASURED, json_digest, write_table
 from analysis.headline_steps import cell_steps
 from analysis.load import Results
 
@@ -48,8 +48,7 @@ def family_steps(cells: pd.DataFrame, root: Path, fam: beyond.Family) -> pd.Data
 
 def _measured(cells: pd.DataFrame, root: Path, fam: beyond.Family) -> pd.DataFrame:
     """The rows of ``fam``'s (point, system, table) groups that have a variant cell."""
-    df = select(cells, {**fam.sel, "instrumented": "=False"}) if not cells.empty else cells
-    df = df[df["system"].isin((beyond.BASE,) + beyond.VARIANTS)] if not df.empty else df
+    df = beyond.family_cells(cells, fam)
     if df.empty:
         return pd.DataFrame(columns=COLUMNS)
     dims = list(fam.dims)
@@ -78,10 +77,7 @@ def _measured(cells: pd.DataFrame, root: Path, fam: beyond.Family) -> pd.DataFra
 
 def steps_frame(res: Results) -> pd.DataFrame:
     """Every family's rows, in analysis.beyond.FAMILIES order."""
-    cells = with_derived(res.cells)
-    parts = [family_steps(cells, Path(res.root), fam) for fam in beyond.FAMILIES]
-    parts = [p for p in parts if not p.empty]
-    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=COLUMNS)
+    return beyond.per_family(res, family_steps, COLUMNS)
 
 
 def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
