@@ -194,8 +194,7 @@ def lines(t: pd.DataFrame) -> list[str]:
          "as device time plus host launch time, so the eager rules differ from the graph ones; a GraniKV row "
          "measured before that calibration carries the older table (column table). Target: GraniKV >= 0.97x "
          "SGLang default in every cell below; 1.82x at heterogeneous k=8; on the headline, the dynamic split is "
-         "held to the static split's ratio at the same Lp (the static cells ran at one code version with 3 "
-         "repetitions; the sweep's run-to-run noise is about 3%). Cell by cell: tables/beyond.md; where "
+         "held to the static split's ratio at the same Lp (column n: each row's repetitions). Cell by cell: tables/beyond.md; where "
          "each variant's time goes: tables/beyond_steps.md.", ""]
     if t.empty:
         return L + [f"({NOT_MEASURED}: no cells)"]
