@@ -7,8 +7,10 @@ kind ``kernel``): ``config.json`` (resolved config, cell, measured peaks, proven
 
 kernel.jsonl row (decode cells ``<shape>-lp<Lp>-b<B>-k<k>``):
   backend, time_ms (median; CUDA-graph replay on GPU when capturable, else eager), time_ms_mean,
-  time_ms_min, time_ms_eager, graph (bool), graph_error, plan_ms (host wall time of plan()),
-  flops, bytes, tflops, tbps, tflops_frac_peak, tbps_frac_peak, max_abs_err, decisions; with
+  time_ms_min, time_ms_eager, graph (bool), graph_error, plan_ms (host wall time of the first plan(),
+  wrapper set built), plan_us_eager / plan_us_graph (steady-state host time of one step's plan on the
+  eager / graph-mode wrapper set: median over ``plan_reps``, granikv.attention.bench.plan_host_time;
+  with ``profile_plan`` = n > 0 also plan_profile_eager / _graph, its n costliest functions), flops, bytes, tflops, tbps, tflops_frac_peak, tbps_frac_peak, max_abs_err, decisions; with
   ``profile_kernels=true`` also kernels (each kernel of one eager call: name, us_per_call,
   launches_per_call; torch.profiler, granikv.attention.bench.kernel_profile) and kernels_us_per_call
   (their sum: the GPU busy time of a call); layout rows too.
@@ -52,12 +54,13 @@ import torch
 from granikv import rawio
 from granikv.attention import reference as R
 from granikv.attention.bench import (Shape, attention_flops, build_cell, capture_graph, kernel_profile, kv_bytes,
-                                    measure_peaks, sync, time_fn)
+                                    measure_peaks, plan_host_time, sync, time_fn)
 from granikv.attention.decode import make_backend
 from granikv.attention.dispatch import Dispatcher, check_table
 from granikv.config import DENSE_KERNELS
 
 VARIANTS = ("paged", "cascade", "cascade_composed", "hydragen", "dense", "dense_unsplit", "granikv_cascade", "granikv")
+CLASS_ROWS = ("round_robin", "blocked")   # how a decode cell's B requests are spread over its k classes
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -89,6 +92,9 @@ class BenchSpec:
     layout: bool = True
     ncu: bool = False
     profile_kernels: bool = False
+    plan_reps: int = 0
+    profile_plan: int = 0
+    class_rows: str = "round_robin"
     dispatch_cost: bool = True
     decision_table: Optional[list] = None
     gpu_name: Optional[str] = None
@@ -113,6 +119,11 @@ class BenchSpec:
                 raise ValueError(f"kernel_bench.{key}: must be a non-empty list of positive ints, got {vals!r}")
         if self.suffix_len < 1 or self.layout_batch < 1 or self.reps < 1 or self.warmup < 0:
             raise ValueError("kernel_bench: suffix_len, layout_batch, reps must be >= 1 and warmup >= 0")
+        if self.class_rows not in CLASS_ROWS:
+            raise ValueError(f"kernel_bench.class_rows: '{self.class_rows}' not in {CLASS_ROWS}")
+        if self.plan_reps < 0 or self.profile_plan < 0:
+            raise ValueError(f"kernel_bench: plan_reps ({self.plan_reps}) and profile_plan ({self.profile_plan}) "
+                             "must be >= 0 (0 = off)")
         self.decision_table = check_table(self.decision_table, "kernel_bench.decision_table") or None
 
     @property
@@ -200,6 +211,17 @@ def make_variant(spec: BenchSpec, shape: Shape, variant: str, cuda_graph: bool):
     return make_backend(variant, shape.hq, shape.hkv, shape.d, dev, dt, cuda_graph=cuda_graph)
 
 
+def plan_row(spec: BenchSpec, plan, dev: torch.device, kind: str) -> dict:
+    """``plan_us_<kind>`` (and ``plan_us_min_<kind>``, ``plan_profile_<kind>``) of ``plan`` when ``plan_reps`` > 0."""
+    if not spec.plan_reps:
+        return {}
+    t = plan_host_time(plan, dev, reps=spec.plan_reps, warmup=min(spec.warmup, 5), profile_top=spec.profile_plan)
+    out = {f"plan_us_{kind}": t["plan_us"], f"plan_us_min_{kind}": t["plan_us_min"], "plan_reps": t["plan_reps"]}
+    if "plan_profile" in t:
+        out[f"plan_profile_{kind}"] = t["plan_profile"]
+    return out
+
+
 def profile_row(spec: BenchSpec, fn, dev: torch.device) -> dict:
     """``kernels`` / ``kernels_us_per_call`` of one eager call of ``fn`` when ``profile_kernels`` is on."""
     if not spec.profile_kernels:
@@ -210,7 +232,8 @@ def profile_row(spec: BenchSpec, fn, dev: torch.device) -> dict:
 
 def bench_decode_cell(spec: BenchSpec, shape: Shape, lp: int, b: int, k: int, peaks: dict) -> tuple[list, dict]:
     dev = torch.device(spec.device)
-    kc, vc, batch = build_cell(shape, lp, b, k, spec.suffix_len, spec.torch_dtype, dev, spec.seed)
+    kc, vc, batch = build_cell(shape, lp, b, k, spec.suffix_len, spec.torch_dtype, dev, spec.seed,
+                               blocked=spec.class_rows == "blocked")
     q = torch.randn(b, shape.hq, shape.d, device=dev, generator=None).to(spec.torch_dtype)
     ref = None
     if spec.check_error:
@@ -229,7 +252,7 @@ def bench_decode_cell(spec: BenchSpec, shape: Shape, lp: int, b: int, k: int, pe
         eager = time_fn(lambda: be.run(q, kc, vc), dev, spec.warmup, spec.reps, spec.l2_flush)
         row = {"backend": variant, **eager, "time_ms_eager": eager["time_ms"], "graph": False, "graph_error": None,
                "plan_ms": plan_ms, "max_abs_err": err, "decisions": be.last_decisions,
-               **profile_row(spec, lambda: be.run(q, kc, vc), dev)}
+               **profile_row(spec, lambda: be.run(q, kc, vc), dev), **plan_row(spec, lambda: be.plan(batch), dev, "eager")}
         if spec.device == "cuda" and spec.cuda_graph:
             try:
                 gbe = make_variant(spec, shape, variant, cuda_graph=True)
@@ -239,7 +262,8 @@ def bench_decode_cell(spec: BenchSpec, shape: Shape, lp: int, b: int, k: int, pe
                 sync(dev)
                 gerr = float((gout.float() - ref).abs().max()) if ref is not None else None
                 gt = time_fn(g.replay, dev, spec.warmup, spec.reps, spec.l2_flush)
-                row.update({**gt, "graph": True, "max_abs_err_graph": gerr})
+                row.update({**gt, "graph": True, "max_abs_err_graph": gerr,
+                            **plan_row(spec, lambda: gbe.plan(batch), dev, "graph")})
                 del g, gbe
             except Exception as e:  # noqa: BLE001 - recorded, eager time stays the measurement
                 row["graph_error"] = f"{type(e).__name__}: {e}"
@@ -417,7 +441,8 @@ def cell_list(spec: BenchSpec) -> list[tuple[str, tuple]]:
             for b in spec.batches:
                 for k in spec.num_prefixes:
                     if k <= b:
-                        cells.append((f"{s.name}-lp{lp}-b{b}-k{k}", ("decode", s, lp, b, k)))
+                        tail = "-blocked" if spec.class_rows == "blocked" and k > 1 else ""
+                        cells.append((f"{s.name}-lp{lp}-b{b}-k{k}{tail}", ("decode", s, lp, b, k)))
         if spec.layout:
             for lp in spec.layout_prefix_lens:
                 cells.append((f"layout-{s.name}-lp{lp}-b{spec.layout_batch}", ("layout", s, lp, spec.layout_batch)))
@@ -453,7 +478,7 @@ def run(spec: BenchSpec) -> dict:
         cell = {"cell_id": cid, "kind": c[0]}
         if c[0] == "decode":
             cell.update({"shape": asdict(c[1]), "prefix_len": c[2], "batch": c[3], "num_prefixes": c[4],
-                         "suffix_len": spec.suffix_len})
+                         "suffix_len": spec.suffix_len, "class_rows": spec.class_rows})
         elif c[0] == "layout":
             cell.update({"shape": asdict(c[1]), "prefix_len": c[2], "batch": c[3]})
         rawio.write_json(d / "config.json", {**spec_d, "cell": cell, "peaks": peaks, "provenance": prov})

@@ -127,6 +127,52 @@ def test_kernel_bench_profile_kernels(tmp_path):
     assert "kernels" not in rawio.read_jsonl(tmp_path / "plain" / "kernel" / "t-lp40-b4-k1" / "kernel.jsonl")[0]
 
 
+def test_kernel_bench_plan_time(tmp_path):
+    # plan_reps: each decode row gets the steady-state host time of one step's plan; profile_plan its costliest functions
+    p = _run(tmp_path, "backends=[paged,granikv]", "cells=[t-lp40-b4-k2]", "plan_reps=7", "profile_plan=4")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = rawio.read_jsonl(tmp_path / "kernel" / "t-lp40-b4-k2" / "kernel.jsonl")
+    assert [r["backend"] for r in rows] == ["paged", "granikv"]
+    for r in rows:
+        assert r["plan_reps"] == 7 and 0 < r["plan_us_min_eager"] <= r["plan_us_eager"]
+        prof = r["plan_profile_eager"]
+        assert 1 <= len(prof) <= 4 and all(f["us_per_plan"] >= 0 and f["calls_per_plan"] > 0 for f in prof)
+        assert [f["us_per_plan"] for f in prof] == sorted((f["us_per_plan"] for f in prof), reverse=True)
+        assert "plan_us_graph" not in r                     # CPU: no CUDA graph, no graph-mode set
+    # granikv's plan runs build_plan (the policy, the rest-of-request lists): it shows in the profile
+    assert any("build_plan" in f["fn"] or "plan.py" in f["fn"] for f in rows[1]["plan_profile_eager"])
+    plain = _run(tmp_path / "plain", "backends=[paged]", "cells=[t-lp40-b4-k1]")
+    assert plain.returncode == 0
+    assert "plan_us_eager" not in rawio.read_jsonl(tmp_path / "plain" / "kernel" / "t-lp40-b4-k1" / "kernel.jsonl")[0]
+
+
+def test_kernel_bench_blocked_class_rows(tmp_path):
+    # class_rows=blocked: each class's requests are adjacent rows, as the engine orders a decode batch
+    import torch
+
+    from granikv.attention.bench import Shape, build_cell
+    _, _, rr = build_cell(Shape("t", 8, 2, 16), 8, 6, 2, 2, torch.float32, torch.device("cpu"))
+    _, _, bl = build_cell(Shape("t", 8, 2, 16), 8, 6, 2, 2, torch.float32, torch.device("cpu"), blocked=True)
+    assert rr.prefix_ids == [0, 1, 0, 1, 0, 1] and bl.prefix_ids == [0, 0, 0, 1, 1, 1]
+    assert bl.hot_starts == [0, 0, 0, 8, 8, 8]
+    p = _run(tmp_path, "backends=[paged,dense]", "class_rows=blocked", "cells=[t-lp40-b4-k1,t-lp40-b4-k2-blocked]")
+    assert p.returncode == 0, p.stderr[-3000:]
+    cfg = rawio.read_json(tmp_path / "kernel" / "t-lp40-b4-k2-blocked" / "config.json")
+    assert cfg["cell"]["class_rows"] == "blocked" and rawio.cell_state(tmp_path / "kernel" / "t-lp40-b4-k1") == "done"
+    bad = _run(tmp_path / "bad", "class_rows=sorted")
+    assert bad.returncode != 0 and "kernel_bench.class_rows" in bad.stderr
+
+
+def test_plan_host_time_checks_its_arguments():
+    import torch
+
+    from granikv.attention.bench import plan_host_time
+    with pytest.raises(ValueError, match="reps"):
+        plan_host_time(lambda: None, torch.device("cpu"), reps=0)
+    t = plan_host_time(lambda: sum(range(1000)), torch.device("cpu"), reps=5, warmup=0, profile_top=2)
+    assert t["plan_reps"] == 5 and t["plan_us"] > 0 and len(t["plan_profile"]) <= 2
+
+
 def test_kernel_profile_rejects_no_calls():
     import torch
 

@@ -4,10 +4,13 @@
   events on GPU / perf_counter on CPU, median and mean in ms).
 - ``kernel_profile``: the kernels of one call of ``fn`` (torch.profiler): name, time and launches
   per call, to split a backend's time into its kernels.
+- ``plan_host_time``: host time of a backend's per-step plan in the steady state (median us over
+  repetitions), with an optional cProfile breakdown of where that host time goes.
 - ``measure_peaks``: the device's achievable bf16 (fp32 on CPU) matmul TFLOP/s and copy TB/s,
   measured in the run (not datasheet numbers).
 - ``build_cell``: a KV cache and a DecodeBatch for one (shape, Lp, B, k, suffix) cell: k prefix
-  classes of Lp tokens, each one contiguous HOT run, B requests round-robin over the classes,
+  classes of Lp tokens, each one contiguous HOT run, B requests round-robin over the classes (or in
+  adjacent blocks, one per class, as the engine orders a decode batch),
   each with ``suffix_len`` own slots (the current token last) scattered over the COLD rows.
 - ``attention_flops`` / ``kv_bytes``: the work model of a step (see their docstrings).
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -131,6 +135,48 @@ def kernel_profile(fn: Callable[[], object], device: torch.device, calls: int = 
     return sorted(rows, key=lambda r: -r["us_per_call"])
 
 
+def plan_host_time(plan: Callable[[], object], device: torch.device, reps: int = 50, warmup: int = 5,
+                   profile_top: int = 0) -> dict:
+    """Host time of ``plan()`` (one decode step's plan: make_plan + load) in the steady state.
+
+    Each repetition first waits for the device (untimed, as the engine waits for the previous plan's
+    copies before re-planning), then times ``plan()`` alone on the host: ``plan_us`` (median),
+    ``plan_us_min``, ``plan_reps``. ``profile_top`` > 0 adds ``plan_profile``: the functions with the
+    most own host time per plan under cProfile (``fn``, ``us_per_plan``, ``calls_per_plan``), from a
+    second, profiled set of repetitions (cProfile slows Python calls, so the shares are indicative and
+    ``plan_us`` comes from the unprofiled set).
+    """
+    device = torch.device(device)
+    if reps < 1 or warmup < 0:
+        raise ValueError(f"plan_host_time: reps must be >= 1 and warmup >= 0, got {reps}, {warmup}")
+    for _ in range(warmup):
+        plan()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        plan()
+        times.append((time.perf_counter() - t0) * 1e6)
+    sync(device)
+    out = {"plan_us": statistics.median(times), "plan_us_min": min(times), "plan_reps": reps}
+    if profile_top > 0:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        for _ in range(reps):
+            sync(device)
+            prof.enable()
+            plan()
+            prof.disable()
+        sync(device)
+        st = pstats.Stats(prof).stats            # {(file, line, fn): (cc, nc, tottime, cumtime, callers)}
+        top = sorted(st.items(), key=lambda kv: -kv[1][2])[:profile_top]
+        out["plan_profile"] = [{"fn": f"{Path(f).name}:{line}:{fn}", "us_per_plan": tt / reps * 1e6,
+                                "calls_per_plan": nc / reps} for (f, line, fn), (cc, nc, tt, ct, _) in top]
+    return out
+
+
 def measure_peaks(device: torch.device, dtype: torch.dtype) -> dict:
     """Achievable matmul TFLOP/s (n=8192 on GPU, 1024 on CPU) and copy TB/s (read+write bytes)."""
     device = torch.device(device)
@@ -150,8 +196,9 @@ def measure_peaks(device: torch.device, dtype: torch.dtype) -> dict:
 
 
 def build_cell(shape: Shape, lp: int, b: int, k: int, suffix_len: int, dtype: torch.dtype, device: torch.device,
-               seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, DecodeBatch]:
-    """k_cache/v_cache [C, Hkv, D] and the DecodeBatch of one cell (see module doc)."""
+               seed: int = 0, blocked: bool = False) -> tuple[torch.Tensor, torch.Tensor, DecodeBatch]:
+    """k_cache/v_cache [C, Hkv, D] and the DecodeBatch of one cell (see module doc). ``blocked``: each
+    class's requests are adjacent rows (as the engine orders a decode batch), else round-robin."""
     if k > b:
         raise ValueError(f"num_prefixes={k} > batch={b}: every prefix class needs at least one request")
     if lp < 1 or suffix_len < 1:
@@ -162,7 +209,7 @@ def build_cell(shape: Shape, lp: int, b: int, k: int, suffix_len: int, dtype: to
     k_cache = torch.randn(cap, shape.hkv, shape.d, device=device, dtype=torch.float32).to(dtype)
     v_cache = torch.randn(cap, shape.hkv, shape.d, device=device, dtype=torch.float32).to(dtype)
     cold = hot + torch.randperm(b * suffix_len, generator=g)                     # scattered COLD slots
-    cls = [i % k for i in range(b)]
+    cls = [i * k // b for i in range(b)] if blocked else [i % k for i in range(b)]
     idx = torch.empty(b, lp + suffix_len, dtype=torch.int64)
     for i in range(b):
         idx[i, :lp] = torch.arange(cls[i] * lp, (cls[i] + 1) * lp)
