@@ -10,7 +10,9 @@ kernel.jsonl row (decode cells ``<shape>-lp<Lp>-b<B>-k<k>``):
   time_ms_min, time_ms_eager, graph (bool), graph_error, plan_ms (host wall time of the first plan(),
   wrapper set built), plan_us_eager / plan_us_graph (steady-state host time of one step's plan on the
   eager / graph-mode wrapper set: median over ``plan_reps``, granikv.attention.bench.plan_host_time;
-  with ``profile_plan`` = n > 0 also plan_profile_eager / _graph, its n costliest functions), flops, bytes, tflops, tbps, tflops_frac_peak, tbps_frac_peak, max_abs_err, decisions; with
+  with ``profile_plan`` = n > 0 also plan_profile_eager / _graph, its n costliest functions; with
+  ``plan_busy_ms`` > 0 also plan_us_busy_eager / _graph, planned while the GPU is busy that long, as in
+  the engine's overlap schedule: a plan that waits for the device shows there), flops, bytes, tflops, tbps, tflops_frac_peak, tbps_frac_peak, max_abs_err, decisions; with
   ``profile_kernels=true`` also kernels (each kernel of one eager call: name, us_per_call,
   launches_per_call; torch.profiler, granikv.attention.bench.kernel_profile) and kernels_us_per_call
   (their sum: the GPU busy time of a call); layout rows too.
@@ -94,6 +96,7 @@ class BenchSpec:
     profile_kernels: bool = False
     plan_reps: int = 0
     profile_plan: int = 0
+    plan_busy_ms: float = 0.0
     class_rows: str = "round_robin"
     dispatch_cost: bool = True
     decision_table: Optional[list] = None
@@ -121,9 +124,9 @@ class BenchSpec:
             raise ValueError("kernel_bench: suffix_len, layout_batch, reps must be >= 1 and warmup >= 0")
         if self.class_rows not in CLASS_ROWS:
             raise ValueError(f"kernel_bench.class_rows: '{self.class_rows}' not in {CLASS_ROWS}")
-        if self.plan_reps < 0 or self.profile_plan < 0:
-            raise ValueError(f"kernel_bench: plan_reps ({self.plan_reps}) and profile_plan ({self.profile_plan}) "
-                             "must be >= 0 (0 = off)")
+        if self.plan_reps < 0 or self.profile_plan < 0 or self.plan_busy_ms < 0:
+            raise ValueError(f"kernel_bench: plan_reps ({self.plan_reps}), profile_plan ({self.profile_plan}) and "
+                             f"plan_busy_ms ({self.plan_busy_ms}) must be >= 0 (0 = off)")
         self.decision_table = check_table(self.decision_table, "kernel_bench.decision_table") or None
 
     @property
@@ -215,8 +218,11 @@ def plan_row(spec: BenchSpec, plan, dev: torch.device, kind: str) -> dict:
     """``plan_us_<kind>`` (and ``plan_us_min_<kind>``, ``plan_profile_<kind>``) of ``plan`` when ``plan_reps`` > 0."""
     if not spec.plan_reps:
         return {}
-    t = plan_host_time(plan, dev, reps=spec.plan_reps, warmup=min(spec.warmup, 5), profile_top=spec.profile_plan)
+    t = plan_host_time(plan, dev, reps=spec.plan_reps, warmup=min(spec.warmup, 5), profile_top=spec.profile_plan,
+                       busy_ms=spec.plan_busy_ms)
     out = {f"plan_us_{kind}": t["plan_us"], f"plan_us_min_{kind}": t["plan_us_min"], "plan_reps": t["plan_reps"]}
+    if "plan_us_busy" in t:
+        out.update({f"plan_us_busy_{kind}": t["plan_us_busy"], "plan_busy_ms": t["busy_ms"]})
     if "plan_profile" in t:
         out[f"plan_profile_{kind}"] = t["plan_profile"]
     return out

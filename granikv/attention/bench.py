@@ -135,13 +135,27 @@ def kernel_profile(fn: Callable[[], object], device: torch.device, calls: int = 
     return sorted(rows, key=lambda r: -r["us_per_call"])
 
 
+def _sleep_cycles_per_ms(device: torch.device) -> float:
+    """``torch.cuda._sleep`` cycles per millisecond on ``device``, timed with CUDA events."""
+    torch.cuda._sleep(1_000_000)                                  # warm-up
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(10_000_000)
+    b.record()
+    torch.cuda.synchronize(device)
+    return 10_000_000 / max(a.elapsed_time(b), 1e-3)
+
+
 def plan_host_time(plan: Callable[[], object], device: torch.device, reps: int = 50, warmup: int = 5,
-                   profile_top: int = 0) -> dict:
+                   profile_top: int = 0, busy_ms: float = 0.0) -> dict:
     """Host time of ``plan()`` (one decode step's plan: make_plan + load) in the steady state.
 
     Each repetition first waits for the device (untimed, as the engine waits for the previous plan's
     copies before re-planning), then times ``plan()`` alone on the host: ``plan_us`` (median),
-    ``plan_us_min``, ``plan_reps``. ``profile_top`` > 0 adds ``plan_profile``: the functions with the
+    ``plan_us_min``, ``plan_reps``. ``busy_ms`` > 0 (CUDA): a third set of repetitions keeps the
+    stream busy for that long before each plan (``torch.cuda._sleep``), as the engine's overlap
+    schedule plans while the previous step runs; any plan() call that waits for the device then
+    shows in ``plan_us_busy`` (median) as up to ``busy_ms`` of extra host time. ``profile_top`` > 0 adds ``plan_profile``: the functions with the
     most own host time per plan under cProfile (``fn``, ``us_per_plan``, ``calls_per_plan``), from a
     second, profiled set of repetitions (cProfile slows Python calls, so the shares are indicative and
     ``plan_us`` comes from the unprofiled set).
@@ -159,6 +173,17 @@ def plan_host_time(plan: Callable[[], object], device: torch.device, reps: int =
         times.append((time.perf_counter() - t0) * 1e6)
     sync(device)
     out = {"plan_us": statistics.median(times), "plan_us_min": min(times), "plan_reps": reps}
+    if busy_ms > 0 and device.type == "cuda":
+        cycles = int(busy_ms * _sleep_cycles_per_ms(device))
+        busy = []
+        for _ in range(reps):
+            sync(device)
+            torch.cuda._sleep(cycles)
+            t0 = time.perf_counter()
+            plan()
+            busy.append((time.perf_counter() - t0) * 1e6)
+        sync(device)
+        out.update({"plan_us_busy": statistics.median(busy), "busy_ms": busy_ms})
     if profile_top > 0:
         import cProfile
         import pstats
