@@ -1,0 +1,56 @@
+"""analysis.plan_host on a real CPU kernel-bench run with plan_reps / profile_plan: one row per (backend,
+step kind) with the paged backend's plan time beside it (paged against itself: 1.0); the costliest
+functions listed; a malformed profile names the fix; no row with a plan time -> one 'not measured' row."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from analysis import plan_host as PH
+from analysis.load import load_results
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(raw, *extra):
+    args = ["hardware=cpu", f"results_dir={raw}", "sweep_name=pb", "prefix_lens=[40]", "batches=[4]",
+            "num_prefixes=[2]", "layout=false", "dispatch_cost=false", "backends=[paged,granikv]",
+            "shapes=[{name:t,hq:8,hkv:2,d:16}]", *extra]
+    p = subprocess.run([sys.executable, "-m", "runners.kernel_bench", *args], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return raw
+
+
+@pytest.fixture(scope="module")
+def timed(tmp_path_factory):
+    return _bench(tmp_path_factory.mktemp("raw"), "plan_reps=5", "profile_plan=3", "class_rows=blocked")
+
+
+def test_rows_per_backend_with_the_paged_baseline(timed, tmp_path):
+    t = PH.build(load_results(timed), tmp_path)
+    assert (tmp_path / "tables" / "plan_host.md").exists()
+    assert list(t["backend"]) == ["granikv", "paged"] and set(t["step_kind"]) == {"eager"}   # CPU: no graph set
+    assert set(t["status"]) == {"measured"} and (t["class_rows"] == "blocked").all() and (t["k"] == 2).all()
+    paged = t[t["backend"] == "paged"].iloc[0]
+    assert paged["plan_ratio"] == pytest.approx(1.0) and paged["paths"] == "2x paged"
+    gk = t[t["backend"] == "granikv"].iloc[0]
+    assert gk["plan_ratio"] == pytest.approx(gk["plan_us"] / paged["plan_us"])
+    assert gk["top"] and len(gk["top"].split("; ")) <= PH.TOP
+    assert pd.isna(gk["busy_us"])                    # plan_busy_ms is a GPU measurement
+
+
+def test_malformed_profile_names_the_fix(timed):
+    res = load_results(timed)
+    res.kernels["k.plan_profile_eager"] = [[{"us_per_plan": 1.0}]] * len(res.kernels)
+    with pytest.raises(ValueError, match="profile_plan=n"):
+        PH.frame(res)
+
+
+def test_no_plan_time_is_not_measured(tmp_path):
+    raw = _bench(tmp_path / "raw")
+    t = PH.build(load_results(raw), tmp_path / "out")
+    assert len(t) == 1 and t["status"].iloc[0].startswith("not measured")
