@@ -32,7 +32,7 @@ import torch
 
 from granikv.attention import flashinfer_ops as fo
 from granikv.attention import sdpa_ops
-from granikv.attention.batch import copy_from_host
+from granikv.attention.batch import copy_from_host, host_i64
 from granikv.attention.plan import ClassPlan, StepPlan
 
 
@@ -166,7 +166,7 @@ class WrapperSet:
         split = sorted(p.split, key=lambda c: c.choice != "cascade")    # stable
         rows_all = [r for c in split for r in c.rows]
         if rows_all:                 # ONE host->device copy for every split class's rows
-            copy_from_host(self.rows_buf[:len(rows_all)], torch.tensor(rows_all, dtype=torch.int64))
+            copy_from_host(self.rows_buf[:len(rows_all)], host_i64(rows_all))
         self.segments = []
         off, soff = 0, 0
         for c in split:

@@ -14,13 +14,16 @@ cache object, no kernel. The plan is built once per step and read by every layer
 """
 from __future__ import annotations
 
+import bisect
+import itertools
+import operator
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from granikv.attention.batch import DecodeBatch, to_device
+from granikv.attention.batch import DecodeBatch, host_i64, to_device
 from granikv.attention.policy import PATHS, PrefixPolicy
 
 
@@ -69,20 +72,33 @@ class StepPlan:
 
 
 def group_classes(batch: DecodeBatch) -> list[ClassPlan]:
-    """Group requests by ``prefix_id`` (>= 0 and prefix_len > 0); check members agree on the prefix."""
+    """Group requests by ``prefix_id`` (>= 0 and prefix_len > 0); check members agree on the prefix.
+
+    Works per run of equal ids (the engine and SGLang order a decode batch by class, so a class is
+    usually one run): each run is checked with one slice comparison, not row by row.
+    """
+    ids, lens, hots = batch.prefix_ids, batch.prefix_lens, batch.hot_starts
+    b = len(ids)
+    # run boundaries, found in C (map / compress): [0, rows where the id changes..., B]
+    cuts = [0, *itertools.compress(range(1, b), map(operator.ne, ids[1:], ids[:-1])), b] if b else [0]
     by_id: dict[int, ClassPlan] = {}
-    for i, (pid, lp, hs) in enumerate(zip(batch.prefix_ids, batch.prefix_lens, batch.hot_starts)):
-        if pid < 0 or lp <= 0:
-            continue
-        c = by_id.get(pid)
-        if c is None:
-            by_id[pid] = ClassPlan(pid, [i], int(lp), int(hs))
-        else:
-            if c.prefix_len != lp or c.hot_start != hs:
+    for i, j in zip(cuts, cuts[1:]):
+        pid, lp, hs = ids[i], lens[i], hots[i]
+        if pid >= 0 and lp > 0:
+            if lens[i:j].count(lp) != j - i or hots[i:j].count(hs) != j - i:
+                r = next(r for r in range(i, j) if lens[r] != lp or hots[r] != hs)
+                raise ValueError(f"DecodeBatch: requests {i} and {r} share prefix_id={pid} but have "
+                                 f"prefix_len {lp} vs {lens[r]} / hot_start {hs} vs {hots[r]}; "
+                                 "equal prefix_id must mean identical prefix slots")
+            c = by_id.get(pid)
+            if c is None:
+                by_id[pid] = ClassPlan(pid, list(range(i, j)), int(lp), int(hs))
+            elif c.prefix_len != lp or c.hot_start != hs:
                 raise ValueError(f"DecodeBatch: requests {c.rows[0]} and {i} share prefix_id={pid} but have "
                                  f"prefix_len {c.prefix_len} vs {lp} / hot_start {c.hot_start} vs {hs}; "
                                  "equal prefix_id must mean identical prefix slots")
-            c.rows.append(i)
+            else:
+                c.rows.extend(range(i, j))
     return list(by_id.values())
 
 
@@ -111,17 +127,17 @@ def build_plan(batch: DecodeBatch, policy: PrefixPolicy, group: int) -> StepPlan
     real = b - batch.num_pad                                      # rows >= real are padding
     classes = group_classes(batch)
     for c in classes:
-        c.meff = len(c.rows) * group
-        c.n_real = sum(1 for r in c.rows if r < real)
+        n = len(c.rows)
+        c.meff = n * group
+        c.n_real = bisect.bisect_left(c.rows, real)               # rows ascend; pad rows are the last
         # rows ascend (batch order): contiguous iff they span exactly B_class rows; the FlashInfer
         # path then reads q / writes o as slices instead of gathering and scattering
-        c.row_start = c.rows[0] if c.rows[-1] - c.rows[0] + 1 == len(c.rows) else -1
+        c.row_start = c.rows[0] if c.rows[-1] - c.rows[0] + 1 == n else -1
     t_choose = time.perf_counter()
     policy.choose(classes, b)
     choose_us = (time.perf_counter() - t_choose) * 1e6            # the dispatcher's CPU time this step
     # host lists, one tensor at the end: per-class tensor ops cost ~5 us each (k=64 classes)
-    skip_l = [0] * b
-    ip = indptr_h.tolist()
+    skip_l: Optional[list[int]] = None                            # [B] prefix slots each row leaves out
     split = []
     for c in classes:
         if c.choice not in PATHS:
@@ -129,23 +145,29 @@ def build_plan(batch: DecodeBatch, policy: PrefixPolicy, group: int) -> StepPlan
         if c.choice == "dense" and c.hot_start < 0:
             raise ValueError(f"{name}: prefix_id={c.prefix_id} chose dense but has no HOT run (hot_start=-1)")
         if c.choice == "paged":
-            for r in c.rows[c.n_real:]:                            # pad rows (last in the class): 1-token rows
-                skip_l[r] = c.prefix_len
+            if c.n_real < len(c.rows):                             # pad rows (last in the class): 1-token rows
+                skip_l = skip_l or [0] * b
+                for r in c.rows[c.n_real:]:
+                    skip_l[r] = c.prefix_len
             continue
-        for r in c.rows:
-            skip_l[r] = c.prefix_len
-        s0 = ip[c.rows[0]]
+        skip_l = skip_l or [0] * b
+        if c.row_start >= 0:                                       # one run of rows: one slice write
+            skip_l[c.row_start:c.row_start + len(c.rows)] = [c.prefix_len] * len(c.rows)
+        else:
+            for r in c.rows:
+                skip_l[r] = c.prefix_len
+        s0 = int(indptr_h[c.rows[0]])
         c.slots = batch.kv_indices[s0:s0 + c.prefix_len]
         split.append(c)
-    skip = torch.tensor(skip_l, dtype=torch.int64)
     dev = batch.kv_indptr.device
-    lens = indptr_h[1:] - indptr_h[:-1]
-    if bool((lens < skip).any()):
-        raise ValueError(f"{name}.plan: a request has fewer KV slots than its prefix_len")
-    if not bool(skip.any()):
+    if skip_l is None:                                             # every row attends its whole slot list
         rest_indptr, rest_indices = batch.kv_indptr.int(), batch.kv_indices.int()
         rest_indptr_h = indptr_h
     else:
+        skip = host_i64(skip_l)
+        lens = indptr_h[1:] - indptr_h[:-1]
+        if bool((lens < skip).any()):
+            raise ValueError(f"{name}.plan: a request has fewer KV slots than its prefix_len")
         rest_lens = lens - skip
         rest_indptr_h = torch.zeros(b + 1, dtype=torch.int64)
         torch.cumsum(rest_lens, 0, out=rest_indptr_h[1:])

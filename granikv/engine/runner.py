@@ -38,7 +38,7 @@ from collections import OrderedDict
 
 import torch
 
-from granikv.attention.batch import DecodeBatch, to_device
+from granikv.attention.batch import DecodeBatch, host_i64, to_device
 from granikv.attention.plan import StepPlan
 from granikv.engine.model import CausalLM
 from granikv.engine.scheduler import PrefillChunk, Seq, Storage
@@ -225,7 +225,7 @@ class ModelRunner:
         lens = [p + 1 for p in pos]
         indptr = list(itertools.accumulate(lens, initial=0))
         # one host->device copy: [lens (bs) | indptr (bs+1) | rows (bs) | pos (bs)]
-        packed = to_device(torch.tensor(lens + indptr + rows + pos, dtype=torch.int64), dev)   # async (pinned)
+        packed = to_device(host_i64(lens + indptr + rows + pos), dev)   # async (pinned)
         lens_d, indptr_d, rows_d, pos_d = packed.split([bs, bs + 1, bs, bs])
         ids_d = self.last_tok[rows_d]                               # [bs] input ids (pad rows: 0)
         nnz = indptr[-1]
@@ -233,7 +233,7 @@ class ModelRunner:
         col = torch.arange(nnz, device=dev) - torch.repeat_interleave(indptr_d[:-1], lens_d, output_size=nnz)
         batch = DecodeBatch(kv_indptr=indptr_d, kv_indices=self.table[r, col],
                             prefix_lens=lp, prefix_ids=pid, hot_starts=hs,
-                            kv_indptr_host=torch.tensor(indptr, dtype=torch.int64), num_pad=npad)
+                            kv_indptr_host=host_i64(indptr), num_pad=npad)
         return batch, ids_d, pos_d, rows_d
 
     @torch.inference_mode()
