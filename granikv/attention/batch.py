@@ -67,3 +67,16 @@ def host_i64(values: list[int]) -> torch.Tensor:
     if not values:
         return torch.zeros(0, dtype=torch.int64)
     return torch.frombuffer(array.array("q", values), dtype=torch.int64)
+
+
+_aranges: dict[torch.device, torch.Tensor] = {}
+
+
+def arange(n: int, device: torch.device | str) -> torch.Tensor:
+    """``torch.arange(n, device=device)`` (int64) as a view of one cached buffer per device, grown to the
+    next power of two: no launch per call once grown. Read-only: never write into the view."""
+    device = torch.device(device)
+    buf = _aranges.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _aranges[device] = torch.arange(1 << max(n - 1, 0).bit_length(), device=device)
+    return buf[:n]

@@ -240,7 +240,10 @@ def build_cell(shape: Shape, lp: int, b: int, k: int, suffix_len: int, dtype: to
         idx[i, :lp] = torch.arange(cls[i] * lp, (cls[i] + 1) * lp)
         idx[i, lp:] = cold[i * suffix_len:(i + 1) * suffix_len]
     indptr = torch.arange(b + 1, dtype=torch.int64) * (lp + suffix_len)
-    batch = DecodeBatch(indptr.to(device), idx.reshape(-1).to(device), [lp] * b, cls, [c * lp for c in cls])
+    # the host copy of the indptr, as the engine and the plugin give it: plan() then never reads it back
+    # from the device (a device->host copy would wait for whatever the GPU is running)
+    batch = DecodeBatch(indptr.to(device), idx.reshape(-1).to(device), [lp] * b, cls, [c * lp for c in cls],
+                        kv_indptr_host=indptr.clone())
     return k_cache, v_cache, batch
 
 

@@ -164,9 +164,16 @@ class WrapperSet:
         # classes first: their rows are then one contiguous view rows_buf[:n_cascade_rows], the same
         # storage at every plan() (a captured graph keeps reading it; the order is fixed by the graph key)
         split = sorted(p.split, key=lambda c: c.choice != "cascade")    # stable
-        rows_all = [r for c in split for r in c.rows]
-        if rows_all:                 # ONE host->device copy for every split class's rows
-            copy_from_host(self.rows_buf[:len(rows_all)], host_i64(rows_all))
+        # one class holding every request: all B queries attend the same prefix, so the prefix state
+        # is computed on q as is and merged in place, no gather / scatter (order-free, graph-safe:
+        # B_class == B is part of the graph key)
+        self.full_cover = len(split) == 1 and len(split[0].rows) == b
+        # run() reads rows_buf only to gather / scatter: for cascade classes, and for classes whose rows
+        # are not one run (contiguous classes are read as slices); else the copy is skipped (a graph
+        # key fixes the choices and row runs, so a captured graph never reads rows it was not given)
+        if not self.full_cover and any(c.choice == "cascade" or c.row_start < 0 for c in split):
+            rows_all = [r for c in split for r in c.rows]
+            copy_from_host(self.rows_buf[:len(rows_all)], host_i64(rows_all))   # ONE host->device copy
         self.segments = []
         off, soff = 0, 0
         for c in split:
@@ -179,10 +186,6 @@ class WrapperSet:
             span = (c.row_start, n) if c.row_start >= 0 else None
             self.segments.append(Segment(c.choice, self.rows_buf[off:off + n], c.prefix_len, c.hot_start, slots, span))
             off += n
-        # one class holding every request: all B queries attend the same prefix, so the prefix state
-        # is computed on q as is and merged in place, no gather / scatter (order-free, graph-safe:
-        # B_class == B is part of the graph key)
-        self.full_cover = len(split) == 1 and len(split[0].rows) == b
         cas = [c for c in split if c.choice == "cascade"]
         self.cas_rows = None
         if cas:

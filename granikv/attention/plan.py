@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from granikv.attention.batch import DecodeBatch, host_i64, to_device
+from granikv.attention.batch import DecodeBatch, arange, host_i64, to_device
 from granikv.attention.policy import PATHS, PrefixPolicy
 
 
@@ -164,18 +164,19 @@ def build_plan(batch: DecodeBatch, policy: PrefixPolicy, group: int) -> StepPlan
         rest_indptr, rest_indices = batch.kv_indptr.int(), batch.kv_indices.int()
         rest_indptr_h = indptr_h
     else:
-        skip = host_i64(skip_l)
-        lens = indptr_h[1:] - indptr_h[:-1]
-        if bool((lens < skip).any()):
+        skip = host_i64(skip_l)                                   # [B]
+        rest_lens = indptr_h.diff() - skip                        # [B] slots each row keeps
+        if int(rest_lens.min()) < 0:
             raise ValueError(f"{name}.plan: a request has fewer KV slots than its prefix_len")
-        rest_lens = lens - skip
         rest_indptr_h = torch.zeros(b + 1, dtype=torch.int64)
         torch.cumsum(rest_lens, 0, out=rest_indptr_h[1:])
         nnz = int(rest_indptr_h[-1])
+        # rest slot j of row i sits at kv position j + (slots skipped by rows 0..i) = j + cumsum(skip)[i]
         # one async host->device copy (no stream sync: the overlap schedule plans while a step runs)
-        packed = to_device(torch.cat([indptr_h[:-1] + skip - rest_indptr_h[:-1], rest_lens, rest_indptr_h]), dev)
-        shift, rest_lens_d, rest_indptr_d = packed.split([b, b, b + 1])          # [B], [B], [B+1]
-        pos = torch.repeat_interleave(shift, rest_lens_d, output_size=nnz) + torch.arange(nnz, device=dev)
-        rest_indices = batch.kv_indices[pos].int()
+        packed = to_device(torch.cat([skip.cumsum(0), rest_indptr_h]), dev)
+        shift, rest_indptr_d = packed.split([b, b + 1])           # [B], [B+1]
+        j = arange(nnz, dev)                                      # [nnz]
+        row = torch.searchsorted(rest_indptr_d[1:], j, right=True)   # [nnz] the row of rest slot j
+        rest_indices = batch.kv_indices.index_select(0, j + shift.index_select(0, row)).int()
         rest_indptr = rest_indptr_d.int()
     return StepPlan(b, classes, split, rest_indptr, rest_indices, rest_indptr_h.int(), choose_us)
