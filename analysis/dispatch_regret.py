@@ -1,6 +1,7 @@
 """The dispatcher against the kernel grid: at every kernel-bench decode cell (``runners.kernel_bench``, one
-layer's prefix attention for a shape, Lp and B, one prefix class), the option today's decision table picks
-beside the fastest option measured there, and how much slower the pick is.
+layer's prefix attention for a shape, Lp and B, one prefix class; cells of several classes are left out:
+the table decides per class), the option today's decision table picks beside the fastest option measured
+there, and how much slower the pick is.
 
 The options are GraniKV's three prefix paths as the kernel bench times them: ``dense`` (the batched GEMM
 over the HOT slab), ``granikv_cascade`` (its cascade path) and ``paged``. The table is the one a run would
@@ -92,6 +93,8 @@ def _measured(res: Results) -> pd.DataFrame:
     if k.empty or "cell.kind" not in k.columns:
         return pd.DataFrame(columns=COLUMNS)
     k = k[(k["cell.kind"] == "decode") & k["k.backend"].isin(list(OPTIONS.values()) + ["granikv"])]
+    if "cell.num_prefixes" in k.columns:       # one class per cell: the table decides per class
+        k = k[pd.to_numeric(k["cell.num_prefixes"], errors="coerce").fillna(1) == 1]
     if k.empty or not set(KEYS) <= set(k.columns):
         return pd.DataFrame(columns=COLUMNS)
     k = k.reindex(columns=KEYS + ["k.backend", "k.time_ms", "k.time_ms_eager", "k.decisions"])   # rows may lack the last ones
