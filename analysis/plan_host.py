@@ -103,5 +103,28 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
                      "busy_ms of other work, as the engine's overlap schedule plans (a plan that waits for the "
                      "device shows there); base_*: the paged backend (SGLang default's path) in the same cell and "
                      "step kind; ratio = backend / paged. paths: the backend's path per prefix class. top: the "
-                     "plan's costliest functions under cProfile, own microseconds per plan (indicative).")
+                     "plan's costliest functions under cProfile, own microseconds per plan (indicative). A busy_us "
+                     "of about busy_ms plus plan_us for every backend, paged included, means each plan read "
+                     "something back from the device: the kernel bench's batches carried no host copy of the "
+                     "indptr before the engine-like one they carry now, and plan() read it back every step.")
     return t
+
+
+def lines(t: pd.DataFrame) -> list[str]:
+    """The REPORT's paragraph: per kernel-bench sweep, GPU and step kind, GraniKV's plan against the paged
+    backend's in the same cells, and where the worst one's host time goes."""
+    L = ["", "Where that host time goes, one attention layer's plan alone (tables/plan_host.md, kernel "
+             "benchmark): GraniKV's plan against the paged backend's in the same cell, with the costliest "
+             "functions of the worst row under cProfile.", ""]
+    t = t[(t["status"] == "measured") & (t["backend"] == "granikv")] if not t.empty else t
+    if t.empty:
+        return L + [f"- {NOT_MEASURED}: no kernel-bench row carries a plan time."]
+    for (sweep, gpu, kind), g in t.groupby(["sweep", "gpu", "step_kind"], sort=True):
+        worst = g.loc[g["plan_ratio"].idxmax()]
+        busy = g["busy_ratio"].dropna()
+        L.append(f"- {sweep} ({gpu}), {kind} plans: {int((g['plan_ratio'] <= 1).sum())} of {len(g)} cells at or "
+                 f"below the paged backend's; plan_ratio {g['plan_ratio'].min():.2f}-{g['plan_ratio'].max():.2f} "
+                 f"(worst: Lp={worst['Lp']}, B={worst['B']}, k={worst['k']}, {worst['plan_us']:.0f} us against "
+                 f"{worst['base_plan_us']:.0f} us; costliest: {worst['top'] or 'not profiled'})"
+                 + (f"; behind a busy GPU {busy.min():.2f}-{busy.max():.2f}x." if not busy.empty else "."))
+    return L

@@ -54,3 +54,10 @@ def test_no_plan_time_is_not_measured(tmp_path):
     raw = _bench(tmp_path / "raw")
     t = PH.build(load_results(raw), tmp_path / "out")
     assert len(t) == 1 and t["status"].iloc[0].startswith("not measured")
+
+
+def test_report_lines(timed):
+    L = PH.lines(PH.frame(load_results(timed)))
+    rows = [x for x in L if x.startswith("- ")]
+    assert len(rows) == 1 and rows[0].startswith("- pb (no GPU (CPU)), eager plans:") and "worst: Lp=40, B=4, k=2" in rows[0]
+    assert PH.lines(PH.frame(load_results(timed)).iloc[0:0])[-1].startswith("- not measured")
