@@ -50,7 +50,8 @@ def _top(profile, where: str) -> str:
     if not isinstance(profile, list) or not all(isinstance(f, dict) and {"fn", "us_per_plan"} <= set(f) for f in profile):
         raise ValueError(f"{where}: plan_profile must be a list of {{fn, us_per_plan, calls_per_plan}} "
                          "(runners.kernel_bench profile_plan=n writes it); rerun the cell")
-    return "; ".join(f"{f['fn'].split(':')[-1]} {float(f['us_per_plan']):.0f}" for f in profile[:TOP])
+    own = [f for f in profile if "_lsprof" not in f["fn"]]       # the profiler's own bookkeeping
+    return "; ".join(f"{f['fn'].split(':')[-1]} {float(f['us_per_plan']):.0f}" for f in own[:TOP])
 
 
 def frame(res: Results) -> pd.DataFrame:
@@ -121,10 +122,16 @@ def lines(t: pd.DataFrame) -> list[str]:
         return L + [f"- {NOT_MEASURED}: no kernel-bench row carries a plan time."]
     for (sweep, gpu, kind), g in t.groupby(["sweep", "gpu", "step_kind"], sort=True):
         worst = g.loc[g["plan_ratio"].idxmax()]
-        busy = g["busy_ratio"].dropna()
+        busy = g.dropna(subset=["busy_ratio"])
+        if busy.empty:
+            tail = "."
+        elif (busy["base_busy_us"] >= 1e3 * busy["busy_ms"]).all():     # the paged plan waited out the busy GPU too
+            tail = ("; behind a busy GPU every backend's plan, paged included, waited for the device (these batches "
+                    "had no host copy of the indptr), so that column says nothing about GraniKV.")
+        else:
+            tail = f"; behind a busy GPU {busy['busy_ratio'].min():.2f}-{busy['busy_ratio'].max():.2f}x."
         L.append(f"- {sweep} ({gpu}), {kind} plans: {int((g['plan_ratio'] <= 1).sum())} of {len(g)} cells at or "
                  f"below the paged backend's; plan_ratio {g['plan_ratio'].min():.2f}-{g['plan_ratio'].max():.2f} "
-                 f"(worst: Lp={worst['Lp']}, B={worst['B']}, k={worst['k']}, {worst['plan_us']:.0f} us against "
-                 f"{worst['base_plan_us']:.0f} us; costliest: {worst['top'] or 'not profiled'})"
-                 + (f"; behind a busy GPU {busy.min():.2f}-{busy.max():.2f}x." if not busy.empty else "."))
+                 f"(worst: Lp={int(worst['Lp'])}, B={int(worst['B'])}, k={int(worst['k'])}, {worst['plan_us']:.0f} us "
+                 f"against {worst['base_plan_us']:.0f} us; costliest: {worst['top'] or 'not profiled'})" + tail)
     return L
