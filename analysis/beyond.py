@@ -146,9 +146,14 @@ def _targets_from(fam: Family, rows: list[dict]) -> list[dict]:
 
 
 def family_cells(cells: pd.DataFrame, fam: Family) -> pd.DataFrame:
-    """``fam``'s uninstrumented cells of SGLang default and the variants (``cells`` with_derived)."""
+    """``fam``'s uninstrumented cells of SGLang default and the variants (``cells`` with_derived). A variant
+    cell whose dispatcher was forced (``system.dispatch`` other than ``table``: an ablation such as every
+    class on cascade) is another system and is left out; cells older than the key ran the table."""
     df = select(cells, {**fam.sel, "instrumented": "=False"}) if not cells.empty else cells
-    return df[df["system"].isin((BASE,) + VARIANTS)] if not df.empty else df
+    if df.empty:
+        return df
+    dispatch = df["system.dispatch"].fillna("table") if "system.dispatch" in df.columns else "table"
+    return df[df["system"].isin((BASE,) + VARIANTS) & ((df["system"] == BASE) | (dispatch == "table"))]
 
 
 def expected(fam: Family):

@@ -103,3 +103,12 @@ def test_on_the_headline_the_dynamic_split_is_held_to_the_static_splits_ratio():
     assert list(_rows(t, fam, "config=llama3_8b TP=1, prefix_len=2048", "granikv")["status"]) == [NOT_MEASURED]
     with pytest.raises(ValueError, match="target_from='x' is not a variant"):
         beyond.Family("x", {}, {"config": ("a",)}, target_from="x")
+
+
+def test_a_forced_dispatch_is_not_pooled_with_the_table():
+    lens8 = "[1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288]"
+    mp = dict(kind="multiprefix", lp=8192, batch=256, k=8, lens=lens8, hw="a100_40gb")
+    forced = {**_cell("granikv_dynamic", 400.0, **mp), "system.dispatch": "cascade_only"}
+    t = beyond.beyond_frame(_res([_cell("sglang_default", 100.0, **mp), _cell("granikv_dynamic", 150.0, **mp), forced]))
+    r = _rows(t, "multiprefix heterogeneous", "config=llama3_8b TP=1, num_prefixes=8", "granikv_dynamic")
+    assert len(r) == 1 and r.iloc[0]["n"] == 1 and r.iloc[0]["ratio_vs_sglang_default"] == pytest.approx(1.5)
