@@ -85,18 +85,15 @@ def group_classes(batch: DecodeBatch) -> list[ClassPlan]:
     for i, j in zip(cuts, cuts[1:]):
         pid, lp, hs = ids[i], lens[i], hots[i]
         if pid >= 0 and lp > 0:
-            if lens[i:j].count(lp) != j - i or hots[i:j].count(hs) != j - i:
-                r = next(r for r in range(i, j) if lens[r] != lp or hots[r] != hs)
-                raise ValueError(f"DecodeBatch: requests {i} and {r} share prefix_id={pid} but have "
-                                 f"prefix_len {lp} vs {lens[r]} / hot_start {hs} vs {hots[r]}; "
-                                 "equal prefix_id must mean identical prefix slots")
             c = by_id.get(pid)
+            first = i if c is None else c.rows[0]                  # the class's first row: its prefix
+            if lens[i:j].count(lens[first]) != j - i or hots[i:j].count(hots[first]) != j - i:
+                r = next(r for r in range(i, j) if lens[r] != lens[first] or hots[r] != hots[first])
+                raise ValueError(f"DecodeBatch: requests {first} and {r} share prefix_id={pid} but have "
+                                 f"prefix_len {lens[first]} vs {lens[r]} / hot_start {hots[first]} vs {hots[r]}; "
+                                 "equal prefix_id must mean identical prefix slots")
             if c is None:
                 by_id[pid] = ClassPlan(pid, list(range(i, j)), int(lp), int(hs))
-            elif c.prefix_len != lp or c.hot_start != hs:
-                raise ValueError(f"DecodeBatch: requests {c.rows[0]} and {i} share prefix_id={pid} but have "
-                                 f"prefix_len {c.prefix_len} vs {lp} / hot_start {c.hot_start} vs {hs}; "
-                                 "equal prefix_id must mean identical prefix slots")
             else:
                 c.rows.extend(range(i, j))
     return list(by_id.values())
@@ -138,6 +135,7 @@ def build_plan(batch: DecodeBatch, policy: PrefixPolicy, group: int) -> StepPlan
     choose_us = (time.perf_counter() - t_choose) * 1e6            # the dispatcher's CPU time this step
     # host lists, one tensor at the end: per-class tensor ops cost ~5 us each (k=64 classes)
     skip_l: Optional[list[int]] = None                            # [B] prefix slots each row leaves out
+    ip: Optional[list[int]] = None                                # indptr_h as a list, once a class splits
     split = []
     for c in classes:
         if c.choice not in PATHS:
@@ -156,7 +154,8 @@ def build_plan(batch: DecodeBatch, policy: PrefixPolicy, group: int) -> StepPlan
         else:
             for r in c.rows:
                 skip_l[r] = c.prefix_len
-        s0 = int(indptr_h[c.rows[0]])
+        ip = ip or indptr_h.tolist()
+        s0 = ip[c.rows[0]]
         c.slots = batch.kv_indices[s0:s0 + c.prefix_len]
         split.append(c)
     dev = batch.kv_indptr.device
