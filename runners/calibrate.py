@@ -15,9 +15,18 @@ machinery, in both step kinds the engine runs:
   the device time alone does not show (there the per-layer eager device times favour cascade while
   the engine's eager steps ran slower with it). Eager cost = device time + host launch time.
 
-Measurements: ``<results_dir>/calibration/<shape>-lp<Lp>-b<B>/`` (kind ``calibration``; a cell
+Steps of several prefix classes (``num_classes`` k > 1): k classes of B_class adjacent rows each (the
+engine orders decode rows by class), all at one Lp, over ``class_prefix_lens`` x ``class_batches``
+(k * B_class <= ``max_batch``). The options are then k dense calls per layer, ONE batched cascade
+call for all k classes, or paged: a one-class calibration cannot see that k small dense calls cost
+more than one batched call. Each k is fitted on its own, and its rules carry the class-count range
+(``classes_min`` / ``classes_max``) that the dispatcher matches against the step's class count.
+
+Measurements: ``<results_dir>/calibration/<shape>-lp<Lp>-b<B>[-k<k>]/`` (kind ``calibration``; a cell
 measured before the eager host times were recorded is measured again), plus ``fit-<shape>/``
-holding the fitted rules and the points they came from. The fitted table goes to
+holding the fitted rules and the points they came from. ``reuse_from``: other calibration folders
+whose finished cells of the same id are read instead of measured again (their folders stay as
+they are; the fit and its ``fit-<shape>`` cell are this run's). The fitted table goes to
 ``conf/hardware/<hw>.yaml`` under the key ``decision_table`` (only that key is rewritten; the rest of
 the file is kept as is).
 
@@ -42,7 +51,7 @@ import re
 import statistics
 import time
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,12 +71,44 @@ def resolve(cfg: Any) -> tuple[BenchSpec, dict]:
 
     merged = merge_preset(OmegaConf.to_container(cfg, resolve=True), "calibrate")
     hw = merged["hardware"]
-    own = {k: merged.pop(k) for k in ("hardware_yaml", "write_table")}
+    own = {k: merged.pop(k, None) for k in ("hardware_yaml", "write_table", "num_classes", "class_prefix_lens",
+                                            "class_batches", "max_batch", "reuse_from")}
     if own["hardware_yaml"] is None:
         own["hardware_yaml"] = str(Path(__file__).resolve().parents[1] / "conf" / "hardware" / f"{hw}.yaml")
     spec = BenchSpec(num_prefixes=[1], backends=list(OPTIONS), layout_batch=1, layout_prefix_lens=[1], layout=False,
                      dispatch_cost=False, **merged)
+    own["num_classes"] = list(own["num_classes"] or [1])
+    own["class_prefix_lens"] = list(own["class_prefix_lens"] or spec.prefix_lens)
+    own["class_batches"] = list(own["class_batches"] or spec.batches)
+    own["max_batch"] = own["max_batch"] or max(spec.batches)
+    own["reuse_from"] = list(own["reuse_from"] or [])
+    for key in ("num_classes", "class_prefix_lens", "class_batches"):
+        vals = own[key]
+        if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in vals):
+            raise ValueError(f"calibrate.{key}: must be a list of positive ints, got {vals!r}")
+    if not isinstance(own["max_batch"], int) or own["max_batch"] < 1:
+        raise ValueError(f"calibrate.max_batch: must be a positive int (or null: the largest of batches), "
+                         f"got {own['max_batch']!r}")
+    if spec.sweep_name in own["reuse_from"]:
+        raise ValueError(f"calibrate.reuse_from: lists sweep_name '{spec.sweep_name}' itself; name the OTHER "
+                         "calibration folders whose finished cells this run reads instead of measuring")
     return spec, own
+
+
+def grid(spec: BenchSpec, own: dict) -> list[tuple[int, int, int]]:
+    """(Lp, B_class, k) of every cell: k=1 over prefix_lens x batches; k > 1 (k classes of B_class
+    adjacent rows each, one Lp) over class_prefix_lens x class_batches with k * B_class <= max_batch."""
+    cells = []
+    for k in own.get("num_classes") or [1]:
+        lps, bs = (spec.prefix_lens, spec.batches) if k == 1 else \
+            (own.get("class_prefix_lens") or spec.prefix_lens, own.get("class_batches") or spec.batches)
+        cells += [(lp, b, k) for lp in lps for b in bs if k == 1 or k * b <= (own.get("max_batch") or max(spec.batches))]
+    return cells
+
+
+def cell_name(shape: Shape, lp: int, b: int, k: int) -> str:
+    """A calibration cell's id: ``<shape>-lp<Lp>-b<B_class>``, plus ``-k<k>`` for k > 1 classes."""
+    return f"{shape.name}-lp{lp}-b{b}" + (f"-k{k}" if k > 1 else "")
 
 
 def _cuts(xs: list[int]) -> list[int]:
@@ -138,17 +179,30 @@ def _fit_kind(points: list[dict], costs, margin: float) -> list[dict]:
 def fit(points: list[dict], gpu: str, shape: Shape, margin: float = MARGIN) -> list[dict]:
     """Rules from measured points ``{prefix_len, meff, times: {choice: ms}}`` (graph-replayed step
     times), optionally with ``times_eager`` and ``host_eager`` (same keys: eager device time and host
-    launch time, ms). Without eager times the rules are for both step kinds (no ``graph`` key). See
-    the module doc for the guard and the cuts."""
-    graph = _fit_kind(points, lambda p: p["times"], margin)
-    kinds = [(None, graph)]
-    if any("times_eager" in p for p in points):
-        missing = [(p["prefix_len"], p["meff"]) for p in points if "times_eager" not in p]
+    launch time, ms), and ``classes`` (k prefix classes in the step, each of ``meff``; default 1).
+    Without eager times the rules are for both step kinds (no ``graph`` key). With points at more
+    than one k, each k is fitted on its own and its rules get ``classes_min`` / ``classes_max`` (k
+    buckets split at the geometric midpoints, as Lp). See the module doc for the guard and the cuts."""
+    eager_pts = any("times_eager" in p for p in points)
+    if eager_pts:
+        missing = [(p["prefix_len"], p["meff"], p.get("classes", 1)) for p in points if "times_eager" not in p]
         if missing:
             raise ValueError(f"calibrate.fit: points {missing} have no times_eager (every point needs both kinds)")
-        eager = _fit_kind(points, eager_costs, margin)
-        if eager != graph:
-            kinds = [(True, graph), (False, eager)]
+    ks = sorted({p.get("classes", 1) for p in points})
+    k_cuts = _cuts(ks)
+    graph, eager = [], []
+    for i, k in enumerate(ks):
+        pts = [p for p in points if p.get("classes", 1) == k]
+        bounds = {}
+        if len(ks) > 1:
+            if i > 0:
+                bounds["classes_min"] = k_cuts[i - 1]
+            if i < len(ks) - 1:
+                bounds["classes_max"] = k_cuts[i]
+        graph += [{**r, **bounds} for r in _fit_kind(pts, lambda p: p["times"], margin)]
+        if eager_pts:
+            eager += [{**r, **bounds} for r in _fit_kind(pts, eager_costs, margin)]
+    kinds = [(None, graph)] if not eager_pts or eager == graph else [(True, graph), (False, eager)]
     rules = []
     for kind, rs in kinds:
         for r in rs:
@@ -159,14 +213,15 @@ def fit(points: list[dict], gpu: str, shape: Shape, margin: float = MARGIN) -> l
     return check_table(rules, "calibrate.fit")
 
 
-def host_launch_ms(spec: BenchSpec, shape: Shape, lp: int, b: int) -> dict[str, float]:
-    """Per option (OPTIONS' keys): median host wall time of one eager run() of a planned cell, the GPU
-    idle before each call (the launches, and any host sync a path has inside run()). On CPU: 0.0, as
-    run() computes synchronously and kernel_bench's eager time already holds all of it."""
+def host_launch_ms(spec: BenchSpec, shape: Shape, lp: int, b: int, k: int = 1) -> dict[str, float]:
+    """Per option (OPTIONS' keys): median host wall time of one eager run() of a planned cell (``b``
+    requests over ``k`` classes of adjacent rows), the GPU idle before each call (the launches, and any
+    host sync a path has inside run()). On CPU: 0.0, as run() computes synchronously and
+    kernel_bench's eager time already holds all of it."""
     if spec.device != "cuda":
         return {v: 0.0 for v in OPTIONS}
     dev = torch.device(spec.device)
-    kc, vc, batch = build_cell(shape, lp, b, 1, spec.suffix_len, spec.torch_dtype, dev, spec.seed)
+    kc, vc, batch = build_cell(shape, lp, b, k, spec.suffix_len, spec.torch_dtype, dev, spec.seed, blocked=k > 1)
     q = torch.randn(b, shape.hq, shape.d, device=dev).to(spec.torch_dtype)
     out = {}
     for v in OPTIONS:
@@ -194,9 +249,9 @@ def _current(d: Path) -> bool:
     return all(f"{k}_{v}" in m for v in OPTIONS for k in ("time_ms", "time_ms_eager", "host_ms_eager"))
 
 
-def point_of(m: dict, lp: int, meff: int) -> dict:
-    """The fit's point from a calibration cell's metrics.json."""
-    return {"prefix_len": lp, "meff": meff,
+def point_of(m: dict, lp: int, meff: int, k: int = 1) -> dict:
+    """The fit's point from a calibration cell's metrics.json (``k`` classes of ``meff`` each)."""
+    return {"prefix_len": lp, "meff": meff, **({"classes": k} if k > 1 else {}),
             "times": {c: m[f"time_ms_{v}"] for v, c in OPTIONS.items()},
             "times_eager": {c: m[f"time_ms_eager_{v}"] for v, c in OPTIONS.items()},
             "host_eager": {c: m[f"host_ms_eager_{v}"] for v, c in OPTIONS.items()}}
@@ -222,63 +277,76 @@ def write_table(path: Path, rules: list[dict], shapes: list[Shape], gpu: str) ->
 def run(spec: BenchSpec, own: dict) -> dict:
     t0 = time.monotonic()
     root = Path(spec.results_dir) / spec.sweep_name
+    reuse = [Path(spec.results_dir) / name for name in own.get("reuse_from") or []]
     gpu = spec.gpu_name or (torch.cuda.get_device_name(0) if spec.device == "cuda" else "cpu")
     peaks = measure_peaks(torch.device(spec.device), spec.torch_dtype)
     prov = rawio.provenance()
-    report = {"done": 0, "skipped": 0, "failed": 0, "left": 0, "stale": 0, "tables": {}}
+    report = {"done": 0, "skipped": 0, "reused": 0, "failed": 0, "left": 0, "stale": 0, "tables": {}}
     all_rules = []
+    cells = grid(spec, own)
     for shape in spec.shapes:
         points = []
         complete = True
-        for lp in spec.prefix_lens:
-            for b in spec.batches:
-                cid = f"{shape.name}-lp{lp}-b{b}"
-                d = root / cid
-                if spec.force or not _current(d):
-                    stale = not spec.force and rawio.cell_state(d) == "done"   # no eager host times yet
-                    if stale:   # raw cells are never overwritten by a plain run: a new folder, or force
-                        raise ValueError(f"{d} is a calibration cell of an older run (no eager host times): "
-                                         f"calibrate into a new folder (sweep_name={spec.sweep_name}_eager; the old "
-                                         "cells stay as they are) or pass force=true to measure it again in place")
-                    if spec.time_budget_s and time.monotonic() - t0 > spec.time_budget_s:
-                        report["left"] += 1
-                        complete = False
-                        continue
-                    cell = {"cell_id": cid, "kind": "calibration", "shape": asdict(shape), "prefix_len": lp,
-                            "batch": b, "meff": b * shape.hq // shape.hkv, "suffix_len": spec.suffix_len}
-                    rawio.write_json(d / "config.json", {**asdict(spec), "cell": cell, "peaks": peaks, "provenance": prov})
-                    try:
-                        rows, metrics = bench_decode_cell(spec, shape, lp, b, 1, peaks)
-                        host = host_launch_ms(spec, shape, lp, b)
-                        for r in rows:
-                            r["host_ms_eager"] = host[r["backend"]]
-                        eager = {f"{k}_{r['backend']}": r[k] for r in rows for k in ("time_ms_eager", "host_ms_eager")}
-                        eager.update({f"graph_replayed_{r['backend']}": r["graph"] for r in rows})
-                        rawio.write_jsonl(d / "kernel.jsonl", rows)
-                        rawio.write_json(d / "metrics.json", {"cell_id": cid, "meff": cell["meff"], **metrics, **eager})
-                        report["done"] += 1
-                        report["stale"] += stale
-                    except Exception as e:  # noqa: BLE001
-                        rawio.write_json(d / "failure.json", {"cell_id": cid, "error": f"{type(e).__name__}: {e}",
-                                                              "traceback": traceback.format_exc(), "config": cell})
-                        report["failed"] += 1
-                        complete = False
-                        continue
-                else:
-                    report["skipped"] += 1
-                points.append(point_of(rawio.read_json(d / "metrics.json"), lp, b * shape.hq // shape.hkv))
+        for lp, b, k in cells:
+            cid = cell_name(shape, lp, b, k)
+            d = root / cid
+            meff = b * shape.hq // shape.hkv
+            found = next((r / cid for r in reuse if _current(r / cid)), None)   # measured by an earlier run
+            if found is not None and not spec.force:
+                report["reused"] += 1
+                points.append(point_of(rawio.read_json(found / "metrics.json"), lp, meff, k))
+                continue
+            if spec.force or not _current(d):
+                stale = not spec.force and rawio.cell_state(d) == "done"   # no eager host times yet
+                if stale:   # raw cells are never overwritten by a plain run: a new folder, or force
+                    raise ValueError(f"{d} is a calibration cell of an older run (no eager host times): "
+                                     f"calibrate into a new folder (sweep_name={spec.sweep_name}_eager; the old "
+                                     "cells stay as they are) or pass force=true to measure it again in place")
+                if spec.time_budget_s and time.monotonic() - t0 > spec.time_budget_s:
+                    report["left"] += 1
+                    complete = False
+                    continue
+                cell = {"cell_id": cid, "kind": "calibration", "shape": asdict(shape), "prefix_len": lp,
+                        "batch": b, "meff": meff, "suffix_len": spec.suffix_len, "num_classes": k,
+                        "class_rows": "blocked" if k > 1 else "one_class"}
+                rawio.write_json(d / "config.json", {**asdict(spec), "cell": cell, "peaks": peaks, "provenance": prov})
+                try:
+                    kspec = replace(spec, class_rows="blocked") if k > 1 else spec
+                    rows, metrics = bench_decode_cell(kspec, shape, lp, k * b, k, peaks)
+                    host = host_launch_ms(spec, shape, lp, k * b, k)
+                    for r in rows:
+                        r["host_ms_eager"] = host[r["backend"]]
+                    eager = {f"{m}_{r['backend']}": r[m] for r in rows for m in ("time_ms_eager", "host_ms_eager")}
+                    eager.update({f"graph_replayed_{r['backend']}": r["graph"] for r in rows})
+                    rawio.write_jsonl(d / "kernel.jsonl", rows)
+                    rawio.write_json(d / "metrics.json", {"cell_id": cid, "meff": meff, "num_classes": k,
+                                                          **metrics, **eager})
+                    report["done"] += 1
+                    report["stale"] += stale
+                except Exception as e:  # noqa: BLE001
+                    rawio.write_json(d / "failure.json", {"cell_id": cid, "error": f"{type(e).__name__}: {e}",
+                                                          "traceback": traceback.format_exc(), "config": cell})
+                    report["failed"] += 1
+                    complete = False
+                    continue
+            else:
+                report["skipped"] += 1
+            points.append(point_of(rawio.read_json(d / "metrics.json"), lp, meff, k))
         if not complete or not points:
             continue
         rules = fit(points, gpu, shape)
         all_rules += rules
         fd = root / f"fit-{shape.name}"
         rawio.write_json(fd / "config.json", {**asdict(spec), "cell": {"cell_id": fd.name, "kind": "calibration_fit",
-                                                                      "shape": asdict(shape)}, "provenance": prov})
+                                                                      "shape": asdict(shape)},
+                                              "reuse_from": [str(r) for r in reuse], "provenance": prov})
         rawio.write_jsonl(fd / "kernel.jsonl", points)
         rawio.write_json(fd / "metrics.json", {"cell_id": fd.name, "gpu": gpu, "decision_table": rules,
                                                "num_points": len(points), "margin": MARGIN,
                                                "eager_cost": "time_ms_eager + host_ms_eager",
-                                               "kind_specific": any("graph" in r for r in rules)})
+                                               "kind_specific": any("graph" in r for r in rules),
+                                               "class_specific": any("classes_min" in r or "classes_max" in r
+                                                                     for r in rules)})
         report["tables"][shape.name] = rules
     if own["write_table"] and all_rules:
         write_table(Path(own["hardware_yaml"]), all_rules, [s for s in spec.shapes if s.name in report["tables"]], gpu)
@@ -293,11 +361,13 @@ def _main(cfg) -> None:
         for r in rules:
             kind = {True: "graph", False: "eager"}.get(r.get("graph"), "both")
             cold = f" (COLD prefix: {r['cold']})" if "cold" in r else ""
+            ks = (f"  classes [{r.get('classes_min', 0)}, {r.get('classes_max', 'inf')})"
+                  if "classes_min" in r or "classes_max" in r else "")
             print(f"  {kind:5s} Lp [{r['lp_min']}, {r.get('lp_max', 'inf')})  Meff [{r['meff_min']}, "
-                  f"{r.get('meff_max', 'inf')}) -> {r['choice']}{cold}")
+                  f"{r.get('meff_max', 'inf')}){ks} -> {r['choice']}{cold}")
     wrote = f" -> table in {own['hardware_yaml']}" if own["write_table"] and rep["tables"] else " (no table written)"
     print(f"calibrate: {rep['done']} measured, "
-          f"{rep['skipped']} already done, {rep['failed']} failed, "
+          f"{rep['skipped']} already done, {rep['reused']} read from {own['reuse_from']}, {rep['failed']} failed, "
           f"{rep['left']} left for the next run{wrote}")
 
 

@@ -218,3 +218,39 @@ def test_fast_decode_plan_matches_reference_over_replans(name, cuda_graph):
         assert rel_err(be.run(q, k, v), _ref(q, k, v, batch)) <= 2e-2, (name, cuda_graph, seed)
     if hasattr(flashinfer, "fast_decode_plan"):
         assert "fast" in plans, plans
+
+
+@needs_fi
+@pytest.mark.parametrize("mode", ["cascade_only", "dense_only", "table"])
+@pytest.mark.parametrize("n_noprefix", [0, 3])
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_grouped_classes_match_reference(mode, n_noprefix, cuda_graph):
+    """Classes of consecutive rows (the engine's order): the cascade classes' rows are then one run
+    of the batch, read and merged as one slice (no gather / scatter); with rows without a prefix
+    first, the run starts past them. Eager and graph-replayed, against the reference."""
+    from granikv.attention.decode import DecodeAttention
+    from granikv.attention.dispatch import Dispatcher
+    from granikv.attention.gpu_paths import cascade_span
+    from granikv.attention.policy import GranikvPolicy
+
+    hq, hkv, d = 32, 8, 128
+    table = [{"lp_min": 500, "choice": "dense"}, {"choice": "cascade"}]
+    k, v, batch = make_step(3, hkv, d, [700, 300, 520, 64], [5, 7, 4, 6], [True, True, True, True],
+                            n_noprefix=n_noprefix, dtype=torch.bfloat16, device="cuda", grouped=True)
+    q = torch.randn(batch.batch_size, hq, d, device="cuda").bfloat16()
+    be = DecodeAttention(GranikvPolicy(Dispatcher(hq, hkv, d, "test", table, mode=mode)), hq, hkv, d, device="cuda",
+                         dtype=torch.bfloat16, cuda_graph=cuda_graph)
+    be.plan(batch)
+    ws = be._gpu.current
+    cas = [c for c in be._plan.split if c.choice == "cascade"]
+    if mode == "cascade_only":
+        assert ws.cas_span == (n_noprefix, batch.batch_size - n_noprefix) and ws.cas_rows is None
+    assert ws.cas_span == cascade_span(cas)
+    if cuda_graph:
+        g, out = _capture(be, q, k, v)
+        q.copy_(torch.randn_like(q))
+        g.replay()
+        torch.cuda.synchronize()
+    else:
+        out = be.run(q, k, v)
+    assert rel_err(out, _ref(q, k, v, batch)) <= 2e-2, be.last_decisions

@@ -381,11 +381,18 @@ def test_calibrate_sh_measures_fits_and_packs_its_cells_and_table(repo, tmp_path
            "GRANIKV_PACK_RESERVE_S": "10", "GRANIKV_GIT_COMMIT": "0" * 40, "GRANIKV_GIT_DIRTY": "false",
            "GRANIKV_CAL_HARDWARE": "cpu"}
     args = ["prefix_lens=[16]", "batches=[1,4]"]
+    (repo / "tests").mkdir(exist_ok=True)
+    gpu = "import pytest\n\n\n@pytest.mark.gpu\n"
+    (repo / "tests" / "test_cal_ok.py").write_text(gpu + "def test_ok():\n    assert True\n")
+    (repo / "tests" / "test_cal_bad.py").write_text(gpu + "def test_bad():\n    assert False\n")
 
-    def run(out):
-        return subprocess.run(["bash", "runners/gpu/calibrate.sh", *args], cwd=repo, env={**env, "OUT": str(out)},
+    def run(out, tests="tests/test_cal_ok.py"):
+        return subprocess.run(["bash", "runners/gpu/calibrate.sh", *args], cwd=repo,
+                              env={**env, "OUT": str(out), "GRANIKV_CAL_TESTS": tests},
                               capture_output=True, text=True, timeout=600)
 
+    bad = run(tmp_path / "o0", "tests/test_cal_bad.py")                 # a failing gate: nothing measured
+    assert bad.returncode == 3 and not (repo / "results/raw/calibration_eager").exists(), bad.stdout[-2000:]
     p = run(tmp_path / "o1")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "calibrate: 2 measured" in p.stdout

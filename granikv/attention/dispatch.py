@@ -8,6 +8,10 @@ each a dict with
     num_q_heads, num_kv_heads, head_dim    attention shape PER TP RANK (default: any)
     lp_min, lp_max        prefix length range [lp_min, lp_max)    (default 0, none)
     meff_min, meff_max    Meff = B_class * Hq/Hkv range [min, max) (default 0, none)
+    classes_min, classes_max  range [min, max) of the step's prefix classes (classes with a prefix and a
+                  real request; default 0, none): what the per-class options cost depends on how
+                  many classes share the step (k dense calls against ONE batched cascade call for
+                  all k), so ``runners.calibrate`` can fit rules per class count
     graph         true: the rule is for CUDA-graph-replayed decode steps only; false: for eager
                   steps only (above ``hardware.cuda_graph_max_bs``, or any step that is not
                   replayed); absent (or null): both kinds                (default: both)
@@ -16,10 +20,11 @@ each a dict with
                   (default cascade, the paged-storage fallback the policy has always taken)
 
 The rules that match this dispatcher's GPU and shape are kept in table order; for a class the
-FIRST rule whose step kind, Lp and Meff ranges contain it wins (ties = table order). When no rule
+FIRST rule whose step kind, Lp, Meff and class-count ranges contain it wins (ties = table order). When no rule
 matches the GPU and shape at all, or none covers a (Lp, Meff) for the step's kind, the paper's A100
 rule is used (Meff >= 1024 -> dense, else cascade) with a warning, once per dispatcher and reason.
-A table without any ``graph`` key decides both step kinds alike: exactly as before the key existed.
+A table without any ``graph`` key decides both step kinds alike: exactly as before the key existed;
+one without any ``classes_*`` key decides a class alike whatever the step's class count.
 
 The no-regression guard lives in the table, not in this module: ``runners.calibrate`` times every
 option in graph-replayed AND in eager steps (eager: device time + host launch time) and writes, per
@@ -30,9 +35,9 @@ paged (see ``runners.calibrate.fit``). The runtime only follows the table for th
 timings are consulted per step. Tables written before these keys hold neither, and decide as
 before: one rule set for both kinds, and cascade for a COLD prefix where the table says dense.
 
-Cost: choose() is a dict lookup after the first time a (Lp, B_class) pair is seen for a step kind
+Cost: choose() is a dict lookup after the first time a (Lp, B_class, classes) key is seen for a step kind
 (one decision cache per kind, and ONE shared cache when the table has no kind-specific rule),
-choose_many() one pass of lookups for a step's classes; no device work at all (measured by
+choose_many() one lookup per class of a step; no device work at all (measured by
 ``python -m runners.kernel_bench``, cell ``dispatch_cost``).
 """
 from __future__ import annotations
@@ -44,7 +49,8 @@ PATH_CHOICES = ("dense", "cascade", "paged")
 COLD_CHOICES = ("cascade", "paged")       # what a dense rule's class takes when its prefix is not in HOT
 MODES = ("table", "dense_only", "cascade_only", "paged_only")
 RULE_KEYS = ("choice", "gpu", "num_q_heads", "num_kv_heads", "head_dim", "lp_min", "lp_max", "meff_min", "meff_max",
-             "graph", "cold")
+             "classes_min", "classes_max", "graph", "cold")
+RANGES = (("lp_min", "lp_max"), ("meff_min", "meff_max"), ("classes_min", "classes_max"))
 PAPER_THRESHOLD = 1024
 GRAPH, EAGER = True, False                # the step kinds (``graph`` argument / rule key)
 
@@ -68,11 +74,11 @@ def check_table(table: Optional[list[dict[str, Any]]], where: str = "hardware.de
             raise ValueError(f"{where}[{i}]: unknown key(s) {bad}; allowed: {RULE_KEYS}")
         if r.get("choice") not in PATH_CHOICES:
             raise ValueError(f"{where}[{i}].choice: '{r.get('choice')}' is not one of {PATH_CHOICES}")
-        for k in ("num_q_heads", "num_kv_heads", "head_dim", "lp_min", "lp_max", "meff_min", "meff_max"):
+        for k in ("num_q_heads", "num_kv_heads", "head_dim") + tuple(k for pair in RANGES for k in pair):
             v = r.get(k)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{where}[{i}].{k}: must be a non-negative int or absent, got {v!r}")
-        for lo, hi in (("lp_min", "lp_max"), ("meff_min", "meff_max")):
+        for lo, hi in RANGES:
             if r.get(hi) is not None and r.get(hi) <= r.get(lo, 0):
                 raise ValueError(f"{where}[{i}]: {hi}={r[hi]} must be > {lo}={r.get(lo, 0)} (ranges are [min, max))")
         g = r.get("graph")
@@ -90,8 +96,9 @@ def check_table(table: Optional[list[dict[str, Any]]], where: str = "hardware.de
 
 
 class _DecisionCache(dict):
-    """(prefix_len, batch_class) -> choice for one step kind (and HOT or COLD prefixes); a key not seen
-    yet is decided by the dispatcher's table. A plain dict for hits (no Python-level __getitem__)."""
+    """(prefix_len, batch_class[, classes]) -> choice for one step kind (and HOT or COLD prefixes); a key
+    not seen yet is decided by the dispatcher's table (``classes``, the step's prefix-class count,
+    defaults to 1). A plain dict for hits (no Python-level __getitem__)."""
 
     def __init__(self, dispatcher: "Dispatcher", graph: bool, cold: bool = False):
         super().__init__()
@@ -99,13 +106,14 @@ class _DecisionCache(dict):
         self._graph = graph
         self._cold = cold
 
-    def __missing__(self, key: tuple[int, int]) -> str:
+    def __missing__(self, key: tuple) -> str:
         d = self._dispatcher
         # a class with no requests (only CUDA-graph pad rows) has nothing to decide: paged
         if key[1] > 0:
             # a COLD lookup follows the hot one of the same key (policy: only where that said dense):
             # a fallback is counted and warned about once, by the hot lookup
-            choice, cold = d._decide(key[0], key[1] * d.group, self._graph, count=not self._cold)
+            classes = key[2] if len(key) > 2 else 1
+            choice, cold = d._decide(key[0], key[1] * d.group, self._graph, count=not self._cold, classes=classes)
             choice = cold if self._cold else choice
         else:
             choice = "paged"
@@ -145,14 +153,17 @@ class Dispatcher:
         self.gpu_name = gpu_name or ""
         self.shape = (num_q_heads, num_kv_heads, head_dim)
         rules = check_table(table)
-        # (lp_min, lp_max, meff_min, meff_max, choice, graph, cold path) of the rules for this GPU and
-        # shape, in order; graph None = both step kinds
-        self._rules = [(r.get("lp_min", 0), r.get("lp_max"), r.get("meff_min", 0), r.get("meff_max"), r["choice"],
-                        r.get("graph"), r.get("cold") or ("cascade" if r["choice"] == "dense" else r["choice"]))
+        # (lp_min, lp_max, meff_min, meff_max, classes_min, classes_max, choice, graph, cold path) of
+        # the rules for this GPU and shape, in order; graph None = both step kinds
+        self._rules = [(r.get("lp_min", 0), r.get("lp_max"), r.get("meff_min", 0), r.get("meff_max"),
+                        r.get("classes_min", 0), r.get("classes_max"), r["choice"], r.get("graph"),
+                        r.get("cold") or ("cascade" if r["choice"] == "dense" else r["choice"]))
                        for r in rules if self._matches(r)]
         # one cache per step kind, filled on first sight: (Lp, B_class) -> choice. A table without
         # kind-specific rules (or an ablation mode) decides both kinds alike: ONE shared cache.
-        self.kind_specific = mode == "table" and any(r[5] is not None for r in self._rules)
+        self.kind_specific = mode == "table" and any(r[7] is not None for r in self._rules)
+        # whether the step's class count can change a decision: callers then pass it (policy.GranikvPolicy)
+        self.class_specific = mode == "table" and any(r[4] or r[5] is not None for r in self._rules)
         self._cache = _DecisionCache(self, GRAPH)
         self._eager_cache = _DecisionCache(self, EAGER) if self.kind_specific else self._cache
         # the path of a class whose prefix is not one HOT run, when its (hot) choice is dense
@@ -178,8 +189,9 @@ class Dispatcher:
 
     @property
     def decisions(self) -> dict:
-        """The graph-kind decision cache, read-only by convention: ``decisions[(prefix_len, batch_class)]``
-        is ``choose(prefix_len, batch_class)`` (a key not seen yet is decided on access)."""
+        """The graph-kind decision cache, read-only by convention: ``decisions[(prefix_len, batch_class,
+        classes)]`` is ``choose(prefix_len, batch_class, classes=classes)`` (a key not seen yet is decided
+        on access)."""
         return self._cache
 
     def decisions_for(self, graph: bool = GRAPH) -> dict:
@@ -197,27 +209,30 @@ class Dispatcher:
         """True when the table has rules for this GPU and shape."""
         return bool(self._rules)
 
-    def choose(self, prefix_len: int, batch_class: int, graph: bool = GRAPH) -> str:
+    def choose(self, prefix_len: int, batch_class: int, graph: bool = GRAPH, classes: int = 1) -> str:
         """Path for a class of ``batch_class`` requests sharing a ``prefix_len``-token prefix in a step
-        of kind ``graph`` (True: CUDA-graph replayed, the default; False: eager) (``batch_class`` 0, a
-        class of CUDA-graph pad rows only: paged)."""
-        return (self._cache if graph else self._eager_cache)[(prefix_len, batch_class)]
+        of kind ``graph`` (True: CUDA-graph replayed, the default; False: eager) with ``classes``
+        prefix classes (``batch_class`` 0, a class of CUDA-graph pad rows only: paged)."""
+        return (self._cache if graph else self._eager_cache)[(prefix_len, batch_class, classes)]
 
-    def choose_many(self, classes: list[tuple[int, int]], graph: bool = GRAPH) -> list[str]:
-        """``choose`` for every (prefix_len, batch_class) of a step, in one pass over the cache
-        (a C-level map over the cache; a miss is decided in ``_DecisionCache.__missing__``)."""
-        return list(map((self._cache if graph else self._eager_cache).__getitem__, classes))
+    def choose_many(self, classes: list[tuple], graph: bool = GRAPH, count: int = 1) -> list[str]:
+        """``choose`` for every (prefix_len, batch_class) of a step of ``count`` prefix classes, in one
+        pass over the cache (a miss is decided in ``_DecisionCache.__missing__``)."""
+        cache = self._cache if graph else self._eager_cache
+        return [cache[(lp, b, count)] for lp, b in classes]
 
-    def _decide(self, lp: int, meff: int, graph: bool = GRAPH, count: bool = True) -> tuple[str, str]:
+    def _decide(self, lp: int, meff: int, graph: bool = GRAPH, count: bool = True,
+                classes: int = 1) -> tuple[str, str]:
         """(choice, path when the prefix is not in HOT) of the first rule for this step kind covering
-        (lp, meff); the paper's rule (cold: cascade) when none does (``count``: count it in
+        (lp, meff, classes); the paper's rule (cold: cascade) when none does (``count``: count it in
         ``fallbacks`` and warn)."""
         if self.mode != "table":
             c = self.mode[:-len("_only")]
             return c, ("cascade" if c == "dense" else c)
-        for lp_lo, lp_hi, m_lo, m_hi, choice, kind, cold in self._rules:
+        for lp_lo, lp_hi, m_lo, m_hi, k_lo, k_hi, choice, kind, cold in self._rules:
             if (kind is None or kind == graph) and lp >= lp_lo and (lp_hi is None or lp < lp_hi) \
-                    and meff >= m_lo and (m_hi is None or meff < m_hi):
+                    and meff >= m_lo and (m_hi is None or meff < m_hi) \
+                    and classes >= k_lo and (k_hi is None or classes < k_hi):
                 return choice, cold
         c = paper_rule(meff)
         if not count:
@@ -229,7 +244,8 @@ class Dispatcher:
             kind = f" for {'graph' if graph else 'eager'} steps" if self.kind_specific else ""
             what = (f"no decision-table rules for GPU '{self.gpu_name or 'unknown'}' and shape "
                     f"Hq/Hkv/D={self.shape}" if reason == "no_rules" else
-                    f"decision table does not cover Lp={lp}, Meff={meff}{kind} (GPU '{self.gpu_name}', shape {self.shape})")
+                    f"decision table does not cover Lp={lp}, Meff={meff}, {classes} class(es){kind} "
+                    f"(GPU '{self.gpu_name}', shape {self.shape})")
             warnings.warn(f"{what}: using the paper's A100 rule (Meff >= {PAPER_THRESHOLD} -> dense, else cascade); "
                           "run `python -m runners.calibrate` on this GPU to fit a table", RuntimeWarning, stacklevel=3)
         return c, ("cascade" if c == "dense" else c)

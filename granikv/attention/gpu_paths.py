@@ -9,7 +9,9 @@ place. Per layer, run() issues:
 
   rest decode (1 launch set) -> per split class: dense single prefill on the HOT slab view /
   hydragen gather + single prefill / ONE paged batch prefill for all per-class-cascade classes
-  -> scatter into the prefix state -> ONE in-place merge.
+  -> scatter into the prefix state -> ONE in-place merge. Classes whose rows are one run of the
+  batch (the engine orders rows by class) skip the gather and scatter: they read q and merge into o
+  as slices (the cascade classes as ONE slice when their rows, class after class, are one run).
 
 The dense (and HydraGen) single prefill runs over ``n`` interleaved KV chunks folded into the head
 dimension (flashinfer_ops.single_prefill_split: still one launch, plus one merge_states), with ``n``
@@ -83,6 +85,19 @@ class Segment:
     hot_start: int
     slots: Optional[torch.Tensor]         # hydragen: int64 [Lp] view of slots_buf, else None
     span: Optional[tuple[int, int]]       # (row_start, B_class) when the rows are contiguous, else None
+
+
+def cascade_span(cas: list[ClassPlan]) -> Optional[tuple[int, int]]:
+    """(first row, rows) when the rows of the cascade classes ``cas``, class after class, are one run
+    of the batch, else None (some class's rows are not a run, or two classes are not adjacent)."""
+    if not cas or cas[0].row_start < 0:
+        return None
+    end = cas[0].row_start
+    for c in cas:
+        if c.row_start != end:
+            return None
+        end += len(c.rows)
+    return cas[0].row_start, end - cas[0].row_start
 
 
 class WrapperSet:
@@ -168,10 +183,16 @@ class WrapperSet:
         # is computed on q as is and merged in place, no gather / scatter (order-free, graph-safe:
         # B_class == B is part of the graph key)
         self.full_cover = len(split) == 1 and len(split[0].rows) == b
-        # run() reads rows_buf only to gather / scatter: for cascade classes, and for classes whose rows
-        # are not one run (contiguous classes are read as slices); else the copy is skipped (a graph
-        # key fixes the choices and row runs, so a captured graph never reads rows it was not given)
-        if not self.full_cover and any(c.choice == "cascade" or c.row_start < 0 for c in split):
+        cas = [c for c in split if c.choice == "cascade"]
+        # cascade classes whose rows, packed class after class, are one run of the batch (the engine
+        # orders decode rows by class): the batched prefill reads q and merges into o as one slice at
+        # that run, no gather / scatter (the row runs are part of the graph key)
+        self.cas_span = cascade_span(cas)
+        # run() reads rows_buf only to gather / scatter: for cascade classes that are not one run, and
+        # for classes whose rows are not one run (contiguous classes are read as slices); else the copy
+        # is skipped (a graph key fixes the choices and row runs, so a captured graph never reads rows
+        # it was not given)
+        if not self.full_cover and ((cas and self.cas_span is None) or any(c.row_start < 0 for c in split)):
             rows_all = [r for c in split for r in c.rows]
             copy_from_host(self.rows_buf[:len(rows_all)], host_i64(rows_all))   # ONE host->device copy
         self.segments = []
@@ -186,7 +207,6 @@ class WrapperSet:
             span = (c.row_start, n) if c.row_start >= 0 else None
             self.segments.append(Segment(c.choice, self.rows_buf[off:off + n], c.prefix_len, c.hot_start, slots, span))
             off += n
-        cas = [c for c in split if c.choice == "cascade"]
         self.cas_rows = None
         if cas:
             qo = [0]
@@ -198,7 +218,8 @@ class WrapperSet:
                                   torch.cat([c.slots for c in cas]), spec.num_q_heads, spec.num_kv_heads,
                                   spec.head_dim, causal=False, sm_scale=spec.sm_scale, q_dtype=spec.dtype,
                                   kv_dtype=spec.dtype, last_page_len=self.last_page_len[:len(cas)])
-            self.cas_rows = self.rows_buf[:qo[-1]]      # the cascade classes' rows, in qo order (packed first)
+            if self.cas_span is None:
+                self.cas_rows = self.rows_buf[:qo[-1]]  # the cascade classes' rows, in qo order (packed first)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, D], k_cache / v_cache [C, Hkv, D] -> o [B, Hq, D]."""
@@ -224,6 +245,11 @@ class WrapperSet:
         if gathered or self.cas_rows is not None:
             o_pre = torch.zeros_like(o)
             lse_pre = torch.full_like(lse, -math.inf)
+        if self.cas_span is not None:
+            a, n = self.cas_span
+            with prefix_mark():
+                oc, lc = self.prefill.run(q[a:a + n], kv, return_lse=True)
+            fo.merge_state_in_place(o[a:a + n], lse[a:a + n], oc, lc)
         for seg in self.segments:
             if seg.choice == "cascade":
                 continue

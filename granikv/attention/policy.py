@@ -105,7 +105,9 @@ class HydragenPolicy(PrefixPolicy):
 
 class GranikvPolicy(PrefixPolicy):
     """GraniKV: per class, what the dispatcher's table says for (Lp, real B_class) in this step's kind
-    (``graph_step``: CUDA-graph replayed or eager).
+    (``graph_step``: CUDA-graph replayed or eager) and, where the table has rules per class count, at
+    the step's count of prefix classes (classes with a prefix and a real request): k classes on the
+    dense path are k calls per layer, on the cascade path one batched call.
 
     A class whose prefix is not one HOT run (admission fell back to COLD) cannot go dense: its dense
     choice becomes the rule's cold path (cascade or paged; cascade when the table does not say: the
@@ -123,11 +125,13 @@ class GranikvPolicy(PrefixPolicy):
 
     def choose(self, classes, batch_size):
         d = self.dispatcher
-        decide = d.decisions_for(self.graph_step)   # (Lp, n_real) -> path, decided on first sight
+        decide = d.decisions_for(self.graph_step)   # (Lp, n_real, k) -> path, decided on first sight
+        k = sum(1 for c in classes if c.n_real) if d.class_specific else 1   # classes hold prefixed rows only
         for c in classes:
-            path = decide[(c.prefix_len, c.n_real)]
+            key = (c.prefix_len, c.n_real, k)
+            path = decide[key]
             if path == "dense" and c.hot_start < 0:
-                path = d.cold_decisions_for(self.graph_step)[(c.prefix_len, c.n_real)]
+                path = d.cold_decisions_for(self.graph_step)[key]
             c.choice = path
 
 
