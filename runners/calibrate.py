@@ -25,7 +25,7 @@ more than one batched call. Each k is fitted on its own, and its rules carry the
 Measurements: ``<results_dir>/calibration/<shape>-lp<Lp>-b<B>[-k<k>]/`` (kind ``calibration``; a cell
 measured before the eager host times were recorded is measured again), plus ``fit-<shape>/``
 holding the fitted rules and the points they came from. ``reuse_from``: other calibration folders
-whose finished cells of the same id are read instead of measured again (their folders stay as
+whose finished cells of the same id, measured on the same GPU model, are read instead of measured again (their folders stay as
 they are; the fit and its ``fit-<shape>`` cell are this run's). The fitted table goes to
 ``conf/hardware/<hw>.yaml`` under the key ``decision_table`` (only that key is rewritten; the rest of
 the file is kept as is).
@@ -249,6 +249,11 @@ def _current(d: Path) -> bool:
     return all(f"{k}_{v}" in m for v in OPTIONS for k in ("time_ms", "time_ms_eager", "host_ms_eager"))
 
 
+def _gpu_of(d: Path):
+    """The GPU a cell was measured on (its provenance)."""
+    return (rawio.read_json(d / "config.json").get("provenance") or {}).get("gpu_name")
+
+
 def point_of(m: dict, lp: int, meff: int, k: int = 1) -> dict:
     """The fit's point from a calibration cell's metrics.json (``k`` classes of ``meff`` each)."""
     return {"prefix_len": lp, "meff": meff, **({"classes": k} if k > 1 else {}),
@@ -291,7 +296,9 @@ def run(spec: BenchSpec, own: dict) -> dict:
             cid = cell_name(shape, lp, b, k)
             d = root / cid
             meff = b * shape.hq // shape.hkv
-            found = next((r / cid for r in reuse if _current(r / cid)), None)   # measured by an earlier run
+            # measured by an earlier run on this GPU model (another model's cells are measured here again)
+            found = next((r / cid for r in reuse if _current(r / cid) and _gpu_of(r / cid) == prov.get("gpu_name")),
+                         None)
             if found is not None and not spec.force:
                 report["reused"] += 1
                 points.append(point_of(rawio.read_json(found / "metrics.json"), lp, meff, k))

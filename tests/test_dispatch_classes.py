@@ -156,6 +156,13 @@ def test_calibrate_classes_reuses_one_class_cells_of_another_folder(tmp_path):
         for graph, cost in ((True, pt["times"]), (False, eager_costs(pt))):
             c = d.choose(pt["prefix_len"], pt["meff"] // 4, graph=graph, classes=k)
             assert c == guarded_best(cost), (pt, graph)
+    # a cell of another GPU model is not reused: measured again here
+    cfg_path = tmp_path / "one" / "tiny_g4-lp16-b1" / "config.json"
+    rawio.write_json(cfg_path, {**rawio.read_json(cfg_path), "provenance": {"gpu_name": "another GPU"}})
+    p = subprocess.run([sys.executable, *base, "write_table=false", "sweep_name=multi2", "reuse_from=[one]"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "calibrate: 1 measured" in p.stdout and "3 read from" in p.stdout, p.stdout[-2000:]
+    assert (tmp_path / "multi2" / "tiny_g4-lp16-b1" / "metrics.json").exists()
     with pytest.raises(subprocess.CalledProcessError):
         subprocess.run([sys.executable, *base, "sweep_name=one", "reuse_from=[one]"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300, check=True)
