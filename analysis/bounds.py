@@ -98,6 +98,8 @@ def _calibration_at(res, claim: pd.Series, points: pd.DataFrame) -> tuple[str, l
     k = res.kernels
     model = parse_selectors(claim["selectors"]).get("model.name", "").lstrip("=")
     fit = k[k["k.meff"].notna() & (k["cell.shape.name"] == model)]
+    if "k.classes" in fit.columns:        # one-class points: the claims' cells are steps of one prefix class
+        fit = fit[pd.to_numeric(fit["k.classes"], errors="coerce").fillna(1) == 1]
     out = []
     for _, r in points.iterrows():
         at = fit[(fit["k.prefix_len"] == r["workload.prefix_len"]) & (fit["k.meff"] == r["meff"])]

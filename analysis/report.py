@@ -570,7 +570,8 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
     cache: dict = {}
     for _, c in ev.iterrows():
         L += claim_section(res, ev, c, cache)
-    from analysis import beyond, beyond_plan, beyond_steps, coverage, distance_to_limit, plan_host, prefix_kernel
+    from analysis import (beyond, beyond_plan, beyond_steps, coverage, distance_to_limit, multiclass, plan_host,
+                          prefix_kernel)
     L += ["", "## Toward the hardware limit", "",
           "How far each system's decode step runs from the hardware, and GraniKV's dense prefix path kernel by "
           "kernel. The GEMM floor is every weight GEMM of one decode step timed alone as one CUDA graph "
@@ -582,6 +583,7 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
     L += beyond_steps.miss_lines(bt, beyond_steps.steps_frame(res))
     L += beyond_plan.lines(beyond_plan.plan_frame(res))
     L += plan_host.lines(plan_host.frame(res))
+    L += multiclass.lines(multiclass.frame(res))
     L += ["", "## Campaign coverage", "",
           "Every cell the campaign plans (`conf/campaign.yaml`, expanded as runners.run expands each sweep), "
           "against the raw results; cell by cell in tables/coverage_cells.md; the command, GPUs and time per claim "

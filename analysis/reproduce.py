@@ -15,13 +15,13 @@ import time
 from pathlib import Path
 
 from analysis import (amdahl, beyond, beyond_plan, beyond_steps, claim_map, coverage, dispatch_overhead, dispatch_regret, dispatch_routing, distance_to_limit, engine_fidelity, gemm_floor,
-                      grid, headline, headline_steps, in_sglang, kernel, kernel_breakdown, limitation, multiprefix,
-                      plan_host, prefill_host, prefix_kernel, prefill_host_ops, profiler, reruns, sharegpt_matrix)
+                      grid, headline, headline_steps, in_sglang, kernel, kernel_breakdown, limitation, multiclass,
+                      multiprefix, plan_host, prefill_host, prefix_kernel, prefill_host_ops, profiler, reruns, sharegpt_matrix)
 from analysis.clean import prefer_clean, prefer_rerun
 from analysis.load import load_results
 
 MODULES = (headline, engine_fidelity, in_sglang, headline_steps, prefill_host, prefill_host_ops, grid, sharegpt_matrix, multiprefix, kernel,
-           kernel_breakdown, plan_host, prefix_kernel, amdahl, dispatch_routing, dispatch_regret, dispatch_overhead, profiler, limitation, gemm_floor, distance_to_limit, beyond,
+           kernel_breakdown, plan_host, multiclass, prefix_kernel, amdahl, dispatch_routing, dispatch_regret, dispatch_overhead, profiler, limitation, gemm_floor, distance_to_limit, beyond,
            beyond_steps, beyond_plan)
 
 

@@ -313,9 +313,10 @@ def run(spec: BenchSpec, own: dict) -> dict:
                     report["left"] += 1
                     complete = False
                     continue
+                # batch: the step's requests (k * B_class), as kernel_bench names them; meff: per class
                 cell = {"cell_id": cid, "kind": "calibration", "shape": asdict(shape), "prefix_len": lp,
-                        "batch": b, "meff": meff, "suffix_len": spec.suffix_len, "num_classes": k,
-                        "class_rows": "blocked" if k > 1 else "one_class"}
+                        "batch": k * b, "batch_class": b, "meff": meff, "suffix_len": spec.suffix_len,
+                        "num_prefixes": k, "class_rows": "blocked" if k > 1 else "one_class"}
                 rawio.write_json(d / "config.json", {**asdict(spec), "cell": cell, "peaks": peaks, "provenance": prov})
                 try:
                     kspec = replace(spec, class_rows="blocked") if k > 1 else spec
@@ -326,7 +327,7 @@ def run(spec: BenchSpec, own: dict) -> dict:
                     eager = {f"{m}_{r['backend']}": r[m] for r in rows for m in ("time_ms_eager", "host_ms_eager")}
                     eager.update({f"graph_replayed_{r['backend']}": r["graph"] for r in rows})
                     rawio.write_jsonl(d / "kernel.jsonl", rows)
-                    rawio.write_json(d / "metrics.json", {"cell_id": cid, "meff": meff, "num_classes": k,
+                    rawio.write_json(d / "metrics.json", {"cell_id": cid, "meff": meff, "num_prefixes": k,
                                                           **metrics, **eager})
                     report["done"] += 1
                     report["stale"] += stale

@@ -144,7 +144,8 @@ def test_calibrate_classes_reuses_one_class_cells_of_another_folder(tmp_path):
     measured = sorted(d.name for d in multi.iterdir() if not d.name.startswith("fit-"))
     assert measured == ["tiny_g4-lp16-b2-k2", "tiny_g4-lp16-b4-k2", "tiny_g4-lp64-b2-k2", "tiny_g4-lp64-b4-k2"]
     cfg = rawio.read_json(multi / "tiny_g4-lp64-b4-k2" / "config.json")
-    assert cfg["cell"]["num_classes"] == 2 and cfg["cell"]["class_rows"] == "blocked"
+    assert cfg["cell"]["num_prefixes"] == 2 and cfg["cell"]["class_rows"] == "blocked"
+    assert cfg["cell"]["batch"] == 8 and cfg["cell"]["batch_class"] == 4 and cfg["cell"]["meff"] == 16
     rows = rawio.read_jsonl(multi / "tiny_g4-lp64-b4-k2" / "kernel.jsonl")
     assert {len(r["decisions"]) for r in rows} == {2}                 # two classes of 4 requests each
     table = yaml.safe_load(hw.read_text())["decision_table"]

@@ -1,0 +1,128 @@
+"""Steps of several prefix classes: what the calibration measured there, and what a table fitted on one
+class per step picks against a table with rules per class count.
+
+Reads the calibration cells of k > 1 classes (``runners.calibrate num_classes=[1,2,4,...]``: k classes of
+B_class adjacent rows each, all at one Lp; cell kind ``calibration``, ``cell.num_prefixes`` = k). Their
+options are k dense calls per layer, ONE batched cascade call for all k classes (``granikv_cascade``),
+or paged. One row per (GPU, shape, Lp, B_class, k, step kind): each option's cost per layer in us (graph:
+CUDA-graph replay; eager: device time plus host launch time, as the calibration's fit counts it), the
+fastest (ties: paged, the guard's order), ``one_class_choice``: what the table's rules for ONE class per
+step pick for each class (``classes=1``: a table calibrated on single-class steps decides so whatever
+the step holds), and ``table_choice``: today's table (``conf/hardware/<hardware>.yaml``) at the step's
+k; each with its regret (its cost over the fastest, minus 1).
+
+Writes tables/multiclass.{csv,md}; ``lines`` gives the REPORT's paragraph. No figure.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from analysis.common import NOT_MEASURED, write_table
+from analysis.dispatch_regret import preset
+from analysis.load import Results
+
+NAME = "multiclass"
+FIGURES: tuple[str, ...] = ()
+OPTIONS = {"paged": "paged", "cascade": "granikv_cascade", "dense": "dense"}   # table choice -> calibration backend
+KEYS = ["provenance.gpu_name", "hardware", "cell.shape.name", "cell.shape.hq", "cell.shape.hkv", "cell.shape.d",
+        "cell.prefix_len", "cell.batch_class", "cell.num_prefixes"]
+COLUMNS = ["gpu", "shape", "Lp", "B_class", "k", "kind", "paged_us", "cascade_us", "dense_us", "fastest",
+           "one_class_choice", "one_class_regret", "table_choice", "table_regret", "sweep", "status"]
+COMMAND = ("bash runners/gpu/calibrate.sh 'shapes=[{name:llama3_8b,hq:32,hkv:8,d:128}]' 'num_classes=[1,2,4,8,16]' "
+           "'class_prefix_lens=[512,2048,8192]' 'class_batches=[8,32,128]' max_batch=1024 "
+           "'reuse_from=[calibration_eager]' (GRANIKV_CAL_SWEEP=calibration_multiclass)")
+
+
+def _cost(g: pd.DataFrame, backend: str, eager: bool) -> float:
+    r = g[g["k.backend"] == backend]
+    if r.empty:
+        return float("nan")
+    if not eager:
+        return float(pd.to_numeric(r["k.time_ms"], errors="coerce").mean()) * 1e3
+    dev = pd.to_numeric(r["k.time_ms_eager"], errors="coerce").mean()
+    host = pd.to_numeric(r["k.host_ms_eager"], errors="coerce").mean()
+    return float(dev + host) * 1e3
+
+
+def fastest(t: dict[str, float]) -> str:
+    """The cheapest option; ties go to paged (the calibration's guard), then table order."""
+    return min(t, key=lambda c: (t[c], c != "paged"))
+
+
+def frame(res: Results) -> pd.DataFrame:
+    """One row per multi-class calibration point and step kind (see the module doc)."""
+    from granikv.attention.dispatch import Dispatcher
+
+    k = res.kernels
+    need = set(KEYS) | {"cell.kind", "k.backend", "k.time_ms", "k.time_ms_eager", "k.host_ms_eager"}
+    if k.empty or not need <= set(k.columns):
+        return pd.DataFrame(columns=COLUMNS)
+    k = k[(k["cell.kind"] == "calibration") & (pd.to_numeric(k["cell.num_prefixes"], errors="coerce") > 1)].copy()
+    # the GPU the fit named its rules after: the run's gpu_name override, else the device's, else cpu
+    named = k["gpu_name"] if "gpu_name" in k.columns else pd.Series(None, index=k.index, dtype=object)
+    k["provenance.gpu_name"] = named.fillna(k["provenance.gpu_name"]).fillna("cpu")
+    rows = []
+    for key, g in k.groupby(KEYS, sort=True, dropna=False):
+        gpu, hw, shape, hq, hkv, d, lp, b, n = key
+        cfg = preset(str(hw))
+        disp = Dispatcher(int(hq), int(hkv), int(d), str(gpu), cfg.get("decision_table"))
+        for kind, graph in (("graph", True), ("eager", False)):
+            t = {c: _cost(g, be, not graph) for c, be in OPTIONS.items()}
+            row = {"gpu": gpu, "shape": shape, "Lp": int(lp), "B_class": int(b), "k": int(n), "kind": kind,
+                   **{f"{c}_us": v for c, v in t.items()}, "sweep": ", ".join(sorted(set(g["sweep"])))}
+            if any(pd.isna(v) for v in t.values()):
+                rows.append({**row, "status": f"{NOT_MEASURED} (not every option timed)"})
+                continue
+            if not disp.has_table:
+                rows.append({**row, "fastest": fastest(t),
+                             "status": f"{NOT_MEASURED} (no decision-table rule for {gpu} and this shape)"})
+                continue
+            best = fastest(t)
+            one = disp.choose(int(lp), int(b), graph=graph, classes=1)
+            now = disp.choose(int(lp), int(b), graph=graph, classes=int(n))
+            rows.append({**row, "fastest": best, "one_class_choice": one, "one_class_regret": t[one] / t[best] - 1,
+                         "table_choice": now, "table_regret": t[now] / t[best] - 1, "status": "measured"})
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
+    """Write tables/multiclass.{csv,md}; return the table."""
+    t = frame(res)
+    if t.empty:
+        t = pd.DataFrame([{"status": f"{NOT_MEASURED}: no calibration cell of several prefix classes "
+                                     f"(run {COMMAND})"}], columns=COLUMNS)
+    write_table(t, NAME, out, {"paged_us": 1, "cascade_us": 1, "dense_us": 1, "one_class_regret": 3,
+                               "table_regret": 3},
+                title="Steps of several prefix classes: the calibration's options, and the one-class table's "
+                      "pick against the table's",
+                note="One layer per call, us: k classes of B_class adjacent rows, one Lp. dense: k dense calls; "
+                     "cascade: one batched cascade call for the k classes; paged: one decode. graph: CUDA-graph "
+                     "replay; eager: device time + host launch time. one_class_choice: the rules for one class "
+                     "per step (classes=1), as a table calibrated on single-class steps decides; table_choice: "
+                     "today's table at k classes; regret: the pick's cost over the fastest's, minus 1.")
+    return t
+
+
+def lines(t: pd.DataFrame) -> list[str]:
+    """The REPORT's paragraph: per GPU and step kind, how often each table misses the fastest option at
+    steps of several classes, and the worst miss of the one-class rules."""
+    L = ["", "Steps of several prefix classes (tables/multiclass.md, the calibration's k > 1 cells): the rules "
+             "fitted on one class per step against the rules per class count, one layer per call.", ""]
+    m = t[t["status"] == "measured"] if not t.empty else t
+    if m.empty:
+        return L + [f"- {NOT_MEASURED}: no calibration cell of several prefix classes."]
+    for (gpu, kind), g in m.groupby(["gpu", "kind"], sort=True):
+        worst = g.loc[g["one_class_regret"].idxmax()]
+        one_miss = int((g["one_class_regret"] > 0).sum())
+        now_miss = int((g["table_regret"] > 0).sum())
+        tail = ""
+        if worst["one_class_regret"] > 0:
+            tail = (f" (worst: k={worst['k']}, Lp={worst['Lp']}, B_class={worst['B_class']}: "
+                    f"{worst['one_class_choice']} {worst[worst['one_class_choice'] + '_us']:.0f} us against "
+                    f"{worst['fastest']} {worst[worst['fastest'] + '_us']:.0f} us)")
+        L.append(f"- {gpu}, {kind} steps: of {len(g)} points, the one-class rules pick a slower option than the "
+                 f"fastest at {one_miss}{tail}; the table's rules per class count at {now_miss} (worst regret "
+                 f"{g['table_regret'].max():+.0%}).")
+    return L
