@@ -115,5 +115,18 @@ def miss_lines(t: pd.DataFrame, steps: pd.DataFrame) -> list[str]:
                  f"{r['base_decode_steps']:.0f} ({r['base_decode_eager_steps']:.0f} eager): {r['decode_speedup']:.2f}x. "
                  f"Prefill {r['prefill_s']:.2f} s against {r['base_prefill_s']:.2f} s; prefill is "
                  f"{r['prefill_share']:.0%} of the variant's step time. Mean decode batch {r['decode_batch_mean']:.0f} "
-                 f"against {r['base_decode_batch_mean']:.0f}.")
+                 f"against {r['base_decode_batch_mean']:.0f}." + needed_line(r))
     return L
+
+
+def needed_line(r: dict) -> str:
+    """What the decode steps would have to reach for the target with this prefill time: the step-time
+    ratio target asks for (SGLang default's summed step time over the target, less the variant's
+    prefill), as a decode speedup over SGLang default; '' when prefill alone exceeds that budget."""
+    total = r["base_prefill_s"] + r["base_decode_s"]
+    budget = total / r["target"] - r["prefill_s"]
+    if budget <= 0:
+        return (f" With this prefill the target is out of reach in step time: prefill alone takes more than "
+                f"SGLang default's step time over {r['target']:.2f}.")
+    return (f" At this prefill time, {r['target']:.2f}x in step time needs the decode steps at {budget:.2f} s, "
+            f"a {r['base_decode_s'] / budget:.2f}x decode speedup.")

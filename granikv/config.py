@@ -14,7 +14,7 @@ BACKENDS = ("paged", "cascade", "hydragen", "granikv")
 # the plugin's SGLang attention backends (granikv.sglang_plugin) -> the system.backend each runs
 PLUGIN_ATTENTION = {"granikv": "granikv", "granikv_cascade": "cascade", "hydragen": "hydragen"}
 RADIX_BACKENDS = ("", "granikv")   # --radix-cache-backend: "" = SGLang's own RadixCache
-DISPATCH = ("table", "dense_only", "cascade_only", "paged_only")
+DISPATCH = ("table", "table_one_class", "dense_only", "cascade_only", "paged_only")
 CASCADE_IMPLS = ("multilevel", "composed")   # backend=cascade, GPU path (see SystemConfig.cascade_impl)
 DECODE_PLANS = ("flashinfer", "fast")         # how decode wrappers are re-planned (see SystemConfig.decode_plan)
 DENSE_KERNELS = ("flashinfer", "cudnn", "fa2")  # the dense prefix call's kernel (see SystemConfig.dense_kernel)
@@ -118,7 +118,7 @@ class SystemConfig:
     name: str = "granikv"
     backend: str = "granikv"          # paged | cascade | hydragen | granikv
     hot_fraction: float = 0.2         # 0 = paged storage (every slot COLD)
-    dispatch: str = "table"           # granikv only: table | dense_only | cascade_only | paged_only
+    dispatch: str = "table"           # granikv only: table | table_one_class | dense_only | cascade_only | paged_only
     tensor_core_decode: str = "auto"  # auto = SGLang's rule (on when Hq/Hkv >= 4) | on | off
     # backend=cascade only, GPU path: multilevel = FlashInfer's MultiLevelCascadeAttentionWrapper;
     # composed = batch prefill over the common prefix + tensor-core decode of the rest + merge

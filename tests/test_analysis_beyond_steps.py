@@ -80,3 +80,11 @@ def test_a_cell_without_its_step_trace_is_named(tmp_path):
     (tmp_path / cells[1]["path"] / "steps.jsonl").unlink()
     with pytest.raises(SchemaError, match="steps.jsonl"):
         beyond_steps.steps_frame(_res(tmp_path, cells))
+
+
+def test_needed_decode_speedup_for_a_target():
+    r = {"base_prefill_s": 1.0, "base_decode_s": 3.0, "target": 2.0, "prefill_s": 1.0}
+    # SGLang default's 4.0 s over 2.0 = 2.0 s of step time, 1.0 of it prefill: decode at 1.0 s, 3.00x
+    assert beyond_steps.needed_line(r) == (" At this prefill time, 2.00x in step time needs the decode steps at "
+                                           "1.00 s, a 3.00x decode speedup.")
+    assert "out of reach" in beyond_steps.needed_line({**r, "prefill_s": 2.5})

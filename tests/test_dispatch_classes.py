@@ -167,3 +167,18 @@ def test_calibrate_classes_reuses_one_class_cells_of_another_folder(tmp_path):
     with pytest.raises(subprocess.CalledProcessError):
         subprocess.run([sys.executable, *base, "sweep_name=one", "reuse_from=[one]"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300, check=True)
+
+
+def test_table_one_class_mode_ignores_the_class_count():
+    rules = fit(points(), G, SH)
+    one = Dispatcher(32, 8, 128, G, rules, mode="table_one_class")
+    full = Dispatcher(32, 8, 128, G, rules)
+    assert not one.class_specific
+    assert full.choose(4096, 32, classes=8) == "cascade"
+    assert one.choose(4096, 32, classes=8) == one.choose(4096, 32) == full.choose(4096, 32, classes=1) == "dense"
+    pol = GranikvPolicy(one)
+    cs = _classes([(4096, 32, 32)] * 8)
+    pol.choose(cs, 256)
+    assert {c.choice for c in cs} == {"dense"}
+    GranikvPolicy(full).choose(cs, 256)
+    assert {c.choice for c in cs} == {"cascade"}

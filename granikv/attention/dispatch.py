@@ -47,7 +47,7 @@ from typing import Any, Optional
 
 PATH_CHOICES = ("dense", "cascade", "paged")
 COLD_CHOICES = ("cascade", "paged")       # what a dense rule's class takes when its prefix is not in HOT
-MODES = ("table", "dense_only", "cascade_only", "paged_only")
+MODES = ("table", "table_one_class", "dense_only", "cascade_only", "paged_only")
 RULE_KEYS = ("choice", "gpu", "num_q_heads", "num_kv_heads", "head_dim", "lp_min", "lp_max", "meff_min", "meff_max",
              "classes_min", "classes_max", "graph", "cold")
 RANGES = (("lp_min", "lp_max"), ("meff_min", "meff_max"), ("classes_min", "classes_max"))
@@ -137,7 +137,9 @@ class Dispatcher:
     """Chooses dense / cascade / paged per prefix class from (Lp, B_class) and the step kind (CUDA-graph
     replayed or eager) for one GPU and shape.
 
-    ``mode``: table (default) | dense_only | cascade_only | paged_only (the ablations).
+    ``mode``: table (default) | table_one_class (the table as if every step held one prefix class: its
+    rules for one class decide, whatever the step's class count) | dense_only | cascade_only | paged_only
+    (the ablations).
     Callers that do not name a step kind get the graph kind (``graph=True``): with a table that has
     no ``graph`` key, both kinds decide alike, so such callers see exactly the old decisions.
     """
@@ -161,7 +163,7 @@ class Dispatcher:
                        for r in rules if self._matches(r)]
         # one cache per step kind, filled on first sight: (Lp, B_class) -> choice. A table without
         # kind-specific rules (or an ablation mode) decides both kinds alike: ONE shared cache.
-        self.kind_specific = mode == "table" and any(r[7] is not None for r in self._rules)
+        self.kind_specific = mode.startswith("table") and any(r[7] is not None for r in self._rules)
         # whether the step's class count can change a decision: callers then pass it (policy.GranikvPolicy)
         self.class_specific = mode == "table" and any(r[4] or r[5] is not None for r in self._rules)
         self._cache = _DecisionCache(self, GRAPH)
@@ -226,7 +228,9 @@ class Dispatcher:
         """(choice, path when the prefix is not in HOT) of the first rule for this step kind covering
         (lp, meff, classes); the paper's rule (cold: cascade) when none does (``count``: count it in
         ``fallbacks`` and warn)."""
-        if self.mode != "table":
+        if self.mode == "table_one_class":
+            classes = 1
+        if not self.mode.startswith("table"):
             c = self.mode[:-len("_only")]
             return c, ("cascade" if c == "dense" else c)
         for lp_lo, lp_hi, m_lo, m_hi, k_lo, k_hi, choice, kind, cold in self._rules:
