@@ -451,3 +451,37 @@ def test_prefix_attention_is_marked_only_while_profiling(name, marks, monkeypatc
         be.run(q, k, v)
     names = {e.name for e in prof.events()}
     assert ("prefix_attention" in names) == marks, sorted(names)[:20]
+
+
+def test_remember_absent_makes_a_missing_import_fail_at_once(monkeypatch):
+    """An absent optional module is recorded in sys.modules as None: importing it then raises the same
+    ModuleNotFoundError without a sys.path search; an installed module is left alone."""
+    import importlib
+    import sys
+
+    from granikv.attention import flashinfer_ops as fo
+
+    missing = "granikv_no_such_module_xyz"
+    monkeypatch.delitem(sys.modules, missing, raising=False)
+    assert fo.remember_absent((missing, "json")) == [missing]
+    assert sys.modules[missing] is None and sys.modules["json"] is not None
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(missing)
+    calls = []
+
+    class Recorder:                                     # the first finder the import system asks
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            calls.append(name)
+            return None
+
+    monkeypatch.setattr(sys, "meta_path", [Recorder, *sys.meta_path])
+    with pytest.raises(ModuleNotFoundError):
+        __import__(missing)
+    assert calls == []                                  # recorded as absent: no finder asked
+    assert fo.remember_absent((missing,)) == []         # already recorded
+    del sys.modules[missing]                            # not recorded: every import searches again
+    for _ in range(2):
+        with pytest.raises(ModuleNotFoundError):
+            __import__(missing)
+    assert calls == [missing, missing]

@@ -10,12 +10,32 @@ LSE from every call is base 2, ``[tokens, heads]`` fp32 (see granikv.attention.r
 """
 from __future__ import annotations
 
+import importlib.util
+import sys
 from typing import Optional
 
 import torch
 
 WORKSPACE_BYTES = 384 * 1024 * 1024
 _workspaces: dict[torch.device, torch.Tensor] = {}
+# Optional modules FlashInfer imports inside every eager decode plan(): with backend="auto" its
+# cudnn/utils.py calls ``import cudnn`` twice per plan (cudnn_frontend_version). Python does not
+# remember a failed import, so where the module is absent each plan searches every sys.path entry
+# again (14 find_spec calls, 110-130 us of host time per plan under cProfile, SGLang default's path
+# included). ``remember_absent`` records such a module as absent in sys.modules, after which the
+# import fails at once with the same ModuleNotFoundError; an installed module is left alone.
+ABSENT_PROBES = ("cudnn",)
+
+
+def remember_absent(names=ABSENT_PROBES) -> list[str]:
+    """Record each of ``names`` that is not installed as absent (``sys.modules[name] = None``, which
+    Python's import system reads as "not importable"); return the names recorded."""
+    out = []
+    for name in names:
+        if name not in sys.modules and importlib.util.find_spec(name) is None:
+            sys.modules[name] = None
+            out.append(name)
+    return out
 
 
 def fi():
@@ -25,7 +45,14 @@ def fi():
     except ImportError as e:  # pragma: no cover - CPU machines
         raise RuntimeError("FlashInfer is not importable: the GPU paths need flashinfer-python==0.7.2.post1 "
                            "(runners/gpu/attention.sh puts it on PYTHONPATH); use device=cpu for the torch paths") from e
+    global _probed
+    if not _probed:
+        remember_absent()
+        _probed = True
     return flashinfer
+
+
+_probed = False
 
 
 def available() -> bool:
