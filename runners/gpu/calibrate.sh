@@ -27,14 +27,7 @@ SWEEP=${GRANIKV_CAL_SWEEP:-calibration_eager}
 HW=${GRANIKV_CAL_HARDWARE:-h200}
 TESTS=${GRANIKV_CAL_TESTS-tests/test_attention_gpu.py::test_grouped_classes_match_reference}
 if [ -n "$TESTS" ]; then
-  log "pytest -m gpu $TESTS (gate for the measurements)"
-  # shellcheck disable=SC2086
-  timeout "$(left)" $PY -m pytest -m gpu $TESTS -q -p no:cacheprovider > "$OUT/cal_tests.log" 2>&1
-  RC=$?
-  tail -3 "$OUT/cal_tests.log"
-  if [ "$RC" != 0 ] || grep -q "skipped" <(tail -1 "$OUT/cal_tests.log"); then
-    log "calibration GPU tests rc=$RC (or skipped): nothing measured (see cal_tests.log)"; exit 3
-  fi
+  gpu_test_gate "$TESTS" cal_tests.log || exit 3
 fi
 T=$(left)
 if [ "$T" -le 30 ]; then log "no time left to calibrate (${T}s)"; exit 3; fi

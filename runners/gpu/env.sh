@@ -84,3 +84,17 @@ PYEOF
 
 # Pack the JIT cache into $OUT as <= MAX_PARTS parts of 14 MB (none, with a warning, if larger).
 pack_fi_cache() { jit_cache_pack "$FLASHINFER_WORKSPACE_BASE" fi_cache "${1:-5}"; }
+
+# gpu_test_gate "TESTS" LOG: the GPU tests a script's measurements rest on (`pytest -m gpu TESTS`, log in
+# $OUT/LOG); returns non-zero when one fails or the run ended in skips (then nothing may be measured).
+gpu_test_gate() {
+  log "pytest -m gpu $1 (gate for the measurements)"
+  # shellcheck disable=SC2086
+  timeout "$(left)" $PY -m pytest -m gpu $1 -q -p no:cacheprovider > "$OUT/$2" 2>&1
+  local rc=$?
+  tail -3 "$OUT/$2"
+  if [ "$rc" != 0 ] || grep -q "skipped" <(tail -1 "$OUT/$2"); then
+    log "GPU tests rc=$rc (or skipped): nothing measured (see $2)"
+    return 1
+  fi
+}

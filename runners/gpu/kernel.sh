@@ -21,14 +21,7 @@ gpu_env_setup || exit 2
 grep -q "sweep_name=" <<< "$*" || { log "ERROR: give sweep_name=<name> (a sweep of its own under results/raw)"; exit 2; }
 TESTS=${GRANIKV_KERNEL_TESTS:-tests/test_attention_sdpa.py tests/test_attention_gpu.py::test_dense_kv_split_matches_reference}
 if [ -n "$TESTS" ]; then
-  log "pytest -m gpu $TESTS (gate for the measurements)"
-  # shellcheck disable=SC2086
-  timeout "$(left)" $PY -m pytest -m gpu $TESTS -q -p no:cacheprovider > "$OUT/kernel_tests.log" 2>&1
-  RC=$?
-  tail -3 "$OUT/kernel_tests.log"
-  if [ "$RC" != 0 ] || grep -q "skipped" <(tail -1 "$OUT/kernel_tests.log"); then
-    log "kernel GPU tests rc=$RC (or skipped): nothing measured (see kernel_tests.log)"; pack_fi_cache 3; exit 3
-  fi
+  gpu_test_gate "$TESTS" kernel_tests.log || { pack_fi_cache 3; exit 3; }
 fi
 MARK=$(mktemp); touch "$MARK"; sleep 1
 T=$(left)
