@@ -11,6 +11,10 @@ step pick for each class (``classes=1``: a table calibrated on single-class step
 the step holds), and ``table_choice``: today's table (``conf/hardware/<hardware>.yaml``) at the step's
 k; each with its regret (its cost over the fastest, minus 1).
 
+The engine cells of the multi-class sweeps (``conf/sweep/*_multiclass.yaml``: the dynamic split with
+the table, with its one-class rules only, and with every class on the batched cascade path) are read
+by ``engine_frame``: output tok/s and TPOT p50 per point and dispatch, against the one-class rules.
+
 Writes tables/multiclass.{csv,md}; ``lines`` gives the REPORT's paragraph. No figure.
 """
 from __future__ import annotations
@@ -105,14 +109,15 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     return t
 
 
-def lines(t: pd.DataFrame) -> list[str]:
+def lines(t: pd.DataFrame, res: Results | None = None) -> list[str]:
     """The REPORT's paragraph: per GPU and step kind, how often each table misses the fastest option at
     steps of several classes, and the worst miss of the one-class rules."""
     L = ["", "Steps of several prefix classes (tables/multiclass.md, the calibration's k > 1 cells): the rules "
              "fitted on one class per step against the rules per class count, one layer per call.", ""]
     m = t[t["status"] == "measured"] if not t.empty else t
     if m.empty:
-        return L + [f"- {NOT_MEASURED}: no calibration cell of several prefix classes."]
+        return L + [f"- {NOT_MEASURED}: no calibration cell of several prefix classes."] + (
+            engine_lines(res) if res is not None else [])
     for (gpu, kind), g in m.groupby(["gpu", "kind"], sort=True):
         worst = g.loc[g["one_class_regret"].idxmax()]
         one_miss = int((g["one_class_regret"] > 0).sum())
@@ -125,4 +130,44 @@ def lines(t: pd.DataFrame) -> list[str]:
         L.append(f"- {gpu}, {kind} steps: of {len(g)} points, the one-class rules pick a slower option than the "
                  f"fastest at {one_miss}{tail}; the table's rules per class count at {now_miss} (worst regret "
                  f"{g['table_regret'].max():+.0%}).")
+    return L + (engine_lines(res) if res is not None else [])
+
+
+ABLATIONS = ("table", "table_one_class", "cascade_only")   # system.dispatch of the engine's multi-class sweeps
+
+
+def engine_frame(res: Results) -> pd.DataFrame:
+    """The engine cells of the multi-class sweeps (``*_multiclass``): per point (k, prefix lengths) and
+    ``system.dispatch``, output tok/s and TPOT p50, and each against ``table_one_class`` (the rules for
+    one class per step) at the same point."""
+    c = res.cells
+    need = {"sweep", "system.dispatch", "workload.num_prefixes", "output_throughput_tok_s", "tpot_p50_ms"}
+    if c.empty or not need <= set(c.columns):
+        return pd.DataFrame()
+    c = c[c["sweep"].astype(str).str.endswith("_multiclass") & c["system.dispatch"].isin(ABLATIONS)].copy()
+    if c.empty:
+        return pd.DataFrame()
+    lens = c["workload.prefix_lens"] if "workload.prefix_lens" in c.columns else pd.Series(None, index=c.index)
+    c["lengths"] = [("uniform" if v is None or (isinstance(v, float) and pd.isna(v)) else "heterogeneous")
+                    for v in lens]
+    keys = ["sweep", "lengths", "workload.num_prefixes", "system.dispatch"]
+    g = c.groupby(keys, dropna=False).agg(tok_s=("output_throughput_tok_s", "mean"),
+                                          tpot_ms=("tpot_p50_ms", "mean"), n=("cell_id", "size")).reset_index()
+    one = g[g["system.dispatch"] == "table_one_class"][keys[:-1] + ["tok_s"]].rename(columns={"tok_s": "one_tok_s"})
+    g = g.merge(one, on=keys[:-1], how="left")
+    g["vs_one_class"] = g["tok_s"] / g["one_tok_s"]
+    return g
+
+
+def engine_lines(res: Results) -> list[str]:
+    """The REPORT's lines on the engine cells of the multi-class sweeps (see ``engine_frame``)."""
+    g = engine_frame(res)
+    if g.empty:
+        return [f"- Engine cells with the class-count rules: {NOT_MEASURED}."]
+    L = []
+    for (lengths, k), p in g.groupby(["lengths", "workload.num_prefixes"], sort=True):
+        parts = [f"{r['system.dispatch']} {r['tok_s']:.0f} tok/s (TPOT p50 {r['tpot_ms']:.1f} ms"
+                 + (f", {r['vs_one_class']:.3f}x the one-class rules)" if pd.notna(r["vs_one_class"]) else ")")
+                 for r in p.sort_values("system.dispatch").to_dict("records")]
+        L.append(f"- Engine, {lengths} k={int(k)} (the dynamic split, A100-40GB budget): " + "; ".join(parts) + ".")
     return L

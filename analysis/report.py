@@ -583,7 +583,7 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
     L += beyond_steps.miss_lines(bt, beyond_steps.steps_frame(res))
     L += beyond_plan.lines(beyond_plan.plan_frame(res))
     L += plan_host.lines(plan_host.frame(res))
-    L += multiclass.lines(multiclass.frame(res))
+    L += multiclass.lines(multiclass.frame(res), res)
     L += ["", "## Campaign coverage", "",
           "Every cell the campaign plans (`conf/campaign.yaml`, expanded as runners.run expands each sweep), "
           "against the raw results; cell by cell in tables/coverage_cells.md; the command, GPUs and time per claim "

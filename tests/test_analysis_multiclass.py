@@ -54,3 +54,19 @@ def test_fastest_prefers_paged_on_ties():
     assert MC.fastest({"paged": 1.0, "cascade": 1.0, "dense": 2.0}) == "paged"
     assert MC.fastest({"paged": 2.0, "cascade": 1.0, "dense": 1.0}) == "cascade"
     assert pd.isna(MC._cost(pd.DataFrame(columns=["k.backend"]), "dense", False))
+
+
+def test_engine_cells_against_the_one_class_rules():
+    from types import SimpleNamespace
+
+    rows = [{"sweep": "mp_multiclass", "cell_id": f"c{i}", "system.dispatch": d, "workload.num_prefixes": 8,
+             "workload.prefix_lens": [1, 2], "output_throughput_tok_s": tok, "tpot_p50_ms": 10.0}
+            for i, (d, tok) in enumerate([("table", 90.0), ("table_one_class", 100.0), ("cascade_only", 80.0)])]
+    rows.append({**rows[0], "sweep": "other", "cell_id": "x"})                 # not a multi-class sweep
+    res = SimpleNamespace(cells=pd.DataFrame(rows))
+    g = MC.engine_frame(res).set_index("system.dispatch")
+    assert len(g) == 3 and g.loc["table", "vs_one_class"] == pytest.approx(0.9)
+    assert g.loc["cascade_only", "vs_one_class"] == pytest.approx(0.8) and set(g["lengths"]) == {"heterogeneous"}
+    L = MC.engine_lines(res)
+    assert len(L) == 1 and "table 90 tok/s (TPOT p50 10.0 ms, 0.900x the one-class rules)" in L[0]
+    assert "not measured" in MC.engine_lines(SimpleNamespace(cells=pd.DataFrame()))[0]
