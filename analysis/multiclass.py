@@ -19,6 +19,7 @@ Writes tables/multiclass.{csv,md}; ``lines`` gives the REPORT's paragraph. No fi
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pandas as pd
@@ -112,8 +113,10 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
 def lines(t: pd.DataFrame, res: Results | None = None) -> list[str]:
     """The REPORT's paragraph: per GPU and step kind, how often each table misses the fastest option at
     steps of several classes, and the worst miss of the one-class rules."""
-    L = ["", "Steps of several prefix classes (tables/multiclass.md, the calibration's k > 1 cells): the rules "
-             "fitted on one class per step against the rules per class count, one layer per call.", ""]
+    L = ["", "Steps of several prefix classes (tables/multiclass.md, the calibration's k > 1 cells, one layer per "
+             "call): the rules fitted on one class per step and today's table against the fastest option; then "
+             "the engine cells of the multi-class sweeps, where a table with rules per class count ran against "
+             "its one-class rules.", ""]
     m = t[t["status"] == "measured"] if not t.empty else t
     if m.empty:
         return L + [f"- {NOT_MEASURED}: no calibration cell of several prefix classes."] + (
@@ -128,7 +131,7 @@ def lines(t: pd.DataFrame, res: Results | None = None) -> list[str]:
                     f"{worst['one_class_choice']} {worst[worst['one_class_choice'] + '_us']:.0f} us against "
                     f"{worst['fastest']} {worst[worst['fastest'] + '_us']:.0f} us)")
         L.append(f"- {gpu}, {kind} steps: of {len(g)} points, the one-class rules pick a slower option than the "
-                 f"fastest at {one_miss}{tail}; the table's rules per class count at {now_miss} (worst regret "
+                 f"fastest at {one_miss}{tail}; today's table at k classes at {now_miss} (worst regret "
                  f"{g['table_regret'].max():+.0%}).")
     return L + (engine_lines(res) if res is not None else [])
 
@@ -150,6 +153,10 @@ def engine_frame(res: Results) -> pd.DataFrame:
     lens = c["workload.prefix_lens"] if "workload.prefix_lens" in c.columns else pd.Series(None, index=c.index)
     c["lengths"] = [("uniform" if v is None or (isinstance(v, float) and pd.isna(v)) else "heterogeneous")
                     for v in lens]
+    tables = c["hardware.decision_table"] if "hardware.decision_table" in c.columns else pd.Series(None, index=c.index)
+    classy = ['"classes_m' in json.dumps(t, default=str) for t in tables]       # the table has class-count rules
+    c["system.dispatch"] = [d + " (class-count rules)" if d == "table" and k else d
+                            for d, k in zip(c["system.dispatch"], classy)]
     keys = ["sweep", "lengths", "workload.num_prefixes", "system.dispatch"]
     g = c.groupby(keys, dropna=False).agg(tok_s=("output_throughput_tok_s", "mean"),
                                           tpot_ms=("tpot_p50_ms", "mean"), n=("cell_id", "size")).reset_index()
