@@ -93,12 +93,29 @@ class BatchPrefillWithPagedKVCacheWrapper(_Paged):
         assert kv_layout == "NHD"
         super().__init__(use_cuda_graph, {"indptr": paged_kv_indptr_buf, "indices": paged_kv_indices_buf,
                                           "qo": qo_indptr_buf})
+        # what FlashInfer's wrapper keeps where run() reads it (fa2 / fa3 backends): the slot ids
+        self.is_cuda_graph_enabled = use_cuda_graph
+        self._paged_kv_indices_buf = paged_kv_indices_buf
+        self._backend = "fa2"
+        self.plans = 0
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
              head_dim_qk, page_size, *, causal=False, sm_scale=None, q_data_type="float16", kv_data_type=None, **kw):
         assert page_size == 1 and not kw, kw
         self.causal, self.sm_scale = causal, sm_scale
         self._store(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+        if not self.graph:
+            self._paged_kv_indices_buf = self.state[2]
+        self.plans += 1
+
+    def _get(self):
+        if self.graph:
+            return super()._get()
+        qo, indptr, _ = self.state            # eager: run() reads the ids the wrapper holds now
+        ids = self._paged_kv_indices_buf
+        _i32(ids, "indices")
+        assert ids.numel() == int(indptr[-1]), "slot ids do not match the planned kv_indptr"
+        return qo, indptr, ids
 
     def run(self, q, paged_kv_cache, *, return_lse=False, **kw):
         k, v = _kv(paged_kv_cache)

@@ -65,7 +65,8 @@ def test_plan_time_is_compared_at_the_same_batch_and_step_kind(tmp_path):
     e = t[t["step_kind"] == "eager"].iloc[0]
     assert e["plan_ratio"] == pytest.approx(0.9) and e["meets"] == "yes" and e["steps"] == 2
     text = "\n".join(beyond_plan.lines(t))
-    assert "granikv_dynamic, graph steps: 0 of 1 rows" in text and "granikv_dynamic, eager steps: 1 of 1 rows" in text
+    assert "granikv_dynamic, graph steps, plan_us covering the plan alone: 0 of 1 rows" in text
+    assert "granikv_dynamic, eager steps, plan_us covering the plan alone: 1 of 1 rows" in text
 
 
 def test_repetitions_pool_into_one_median_per_batch(tmp_path):
@@ -100,3 +101,20 @@ def test_a_variant_whose_batch_sizes_the_baseline_never_ran_says_so(tmp_path):
     r = t[(t["point"] == POINT) & (t["system"] == "granikv")].iloc[0]
     assert r["status"] == "not measured (no batch size in common with sglang_default)"
     assert (t["status"] != "measured").all()
+
+
+def test_a_variant_is_paired_only_with_baseline_cells_of_its_plan_scope(tmp_path):
+    base_old = _cell(tmp_path, "sglang_default", [(32, 100.0, True)] * 5, rep=0)              # plan alone
+    base_new = _cell(tmp_path, "sglang_default", [(32, 150.0, True)] * 5, rep=1)
+    base_new["decode_plan_scope"] = "gather+plan"
+    var = _cell(tmp_path, "granikv_dynamic", [(32, 120.0, True)] * 5)
+    var["decode_plan_scope"] = "gather+plan"
+    t = beyond_plan.plan_frame(_res(tmp_path, [base_old, base_new, var]))
+    m = t[(t["status"] == "measured") & (t["system"] == "granikv_dynamic")]
+    assert len(m) == 1 and m.iloc[0]["plan_scope"] == "gather+plan"
+    assert m.iloc[0]["base_plan_us"] == 150.0 and m.iloc[0]["plan_ratio"] == pytest.approx(0.8)
+    # the variant alone in its scope: no baseline to compare with, so no measured row
+    t = beyond_plan.plan_frame(_res(tmp_path, [base_old, var]))
+    assert t[(t["status"] == "measured") & (t["system"] == "granikv_dynamic")].empty
+    text = "\n".join(beyond_plan.lines(beyond_plan.plan_frame(_res(tmp_path, [base_new, var]))))
+    assert "granikv_dynamic, graph steps, plan_us covering the slot-list gather and the plan: 1 of 1 rows" in text

@@ -485,3 +485,26 @@ def test_remember_absent_makes_a_missing_import_fail_at_once(monkeypatch):
         with pytest.raises(ModuleNotFoundError):
             __import__(missing)
     assert calls == [missing, missing]
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_cascade_prefill_schedule_is_kept_while_its_indptrs_stay(graph):
+    """The per-class cascade prefill is planned once per (qo, kv) indptr shape: re-plans of the same shape
+    with other prefix slots only hand the kernel the new ids (outputs still exact); a new shape plans."""
+    hq, hkv, d = 8, 2, 8
+    be = DecodeAttention(GranikvPolicy(Dispatcher(hq, hkv, d, "t", [{"choice": "cascade"}])), hq, hkv, d,
+                         device="cpu", dtype=torch.float32, cuda_graph=graph, impl="flashinfer")
+    for seed in range(3):            # COLD prefixes: new slot ids every seed, same class sizes and lengths
+        k, v, batch = make_step(seed, hkv, d, [40, 24], [3, 2], [False, False], n_noprefix=1, max_suffix=1,
+                                grouped=True)
+        q = torch.randn(batch.batch_size, hq, d)
+        be.plan(batch)
+        assert rel_err(be.run(q, k, v), R.paged_decode_ref(q, k, v, batch.kv_indptr, batch.kv_indices)[0]) <= 1e-4
+    prefill = be._gpu.current.prefill
+    assert prefill.plans == 1 and len(be._gpu.sets) == 1          # graph mode: one key, one wrapper set
+    k, v, batch = make_step(9, hkv, d, [40, 24], [2, 3], [False, False], n_noprefix=1, max_suffix=1, grouped=True)
+    q = torch.randn(batch.batch_size, hq, d)
+    be.plan(batch)
+    assert rel_err(be.run(q, k, v), R.paged_decode_ref(q, k, v, batch.kv_indptr, batch.kv_indices)[0]) <= 1e-4
+    if not graph:                    # graph mode: another class size is another graph key, another set
+        assert prefill.plans == 2

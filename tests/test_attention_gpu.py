@@ -254,3 +254,43 @@ def test_grouped_classes_match_reference(mode, n_noprefix, cuda_graph):
     else:
         out = be.run(q, k, v)
     assert rel_err(out, _ref(q, k, v, batch)) <= 2e-2, be.last_decisions
+
+
+@needs_fi
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_cascade_prefill_schedule_kept_over_new_slots(cuda_graph, monkeypatch):
+    """Re-plans of one per-class cascade shape (same class sizes and prefix lengths) with other prefix
+    slots keep FlashInfer's prefill schedule and only hand over the new slot ids: every step still
+    matches the reference, eager and graph-replayed, and the prefill was planned once."""
+    from granikv.attention import flashinfer_ops as fo
+    from granikv.attention.decode import DecodeAttention
+    from granikv.attention.dispatch import Dispatcher
+    from granikv.attention.policy import GranikvPolicy
+
+    plans = []
+    real_plan = fo.plan_prefill_paged
+    monkeypatch.setattr(fo, "plan_prefill_paged", lambda *a, **kw: (plans.append(1), real_plan(*a, **kw))[1])
+    hq, hkv, d = 32, 8, 128
+    be = DecodeAttention(GranikvPolicy(Dispatcher(hq, hkv, d, "test", [{"choice": "cascade"}])), hq, hkv, d,
+                         device="cuda", dtype=torch.bfloat16, cuda_graph=cuda_graph)
+    g = out = None
+    for seed in range(3):            # COLD prefixes: other slot ids each seed, one shape
+        k, v, batch = make_step(seed, hkv, d, [700, 300], [5, 7], [False, False], n_noprefix=2, max_suffix=1,
+                                dtype=torch.bfloat16, device="cuda", grouped=True)
+        if g is None:
+            kb, vb = k, v
+            q = torch.randn(batch.batch_size, hq, d, device="cuda").bfloat16()
+        else:
+            kb.copy_(k)
+            vb.copy_(v)
+            q.copy_(torch.randn_like(q))
+        be.plan(batch)
+        if cuda_graph:
+            if g is None:
+                g, out = _capture(be, q, kb, vb)
+            g.replay()
+            torch.cuda.synchronize()
+        else:
+            out = be.run(q, kb, vb)
+        assert rel_err(out, _ref(q, kb, vb, batch)) <= 2e-2, (seed, be.last_decisions)
+    assert fo.keeps_prefill_schedule(be._gpu.current.prefill) and len(plans) == 1 and len(be._gpu.sets) == 1

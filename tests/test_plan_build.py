@@ -97,3 +97,52 @@ def test_a_request_shorter_than_its_prefix_is_refused():
 def test_host_i64():
     assert host_i64([3, -1, 2**40]).tolist() == [3, -1, 2**40] and host_i64([]).numel() == 0
     assert host_i64([1, 2]).dtype == torch.int64
+
+
+def _as_table(b: DecodeBatch, rows_order: list[int], width_pad: int = 3) -> DecodeBatch:
+    """The same batch with its slot lists as rows of a slot table (SGLang's req_to_token form): request i
+    sits on table row ``rows_order[i]`` (any rows, in any order), rows wider than the lists, the unused
+    cells and rows filled with junk the plan must never read."""
+    ptr, idx = b.kv_indptr.tolist(), b.kv_indices.tolist()
+    n = len(ptr) - 1
+    width = max([ptr[i + 1] - ptr[i] for i in range(n)], default=0) + width_pad
+    table = torch.full((max(rows_order, default=0) + 2, width), -7, dtype=torch.int64)
+    for i, r in enumerate(rows_order):
+        table[r, :ptr[i + 1] - ptr[i]] = torch.tensor(idx[ptr[i]:ptr[i + 1]])
+    return DecodeBatch(b.kv_indptr, None, list(b.prefix_lens), list(b.prefix_ids), list(b.hot_starts),
+                       kv_indptr_host=b.kv_indptr_host.clone(), num_pad=b.num_pad, slot_table=table,
+                       slot_rows=host_i64(rows_order))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from([-1, 0, 1, 2, 3]), min_size=1, max_size=30), st.integers(0, 3), st.randoms())
+def test_a_slot_table_plans_exactly_as_the_packed_lists(ids, npad, rnd):
+    npad = min(npad, len(ids))
+    b = _batch(ids, num_pad=npad)
+    rows = rnd.sample(range(2 * len(ids)), len(ids))                      # table rows: scattered, any order
+    t = _as_table(b, rows)
+    for policy in (_Split(), PagedPolicy(), DenseHotPolicy()):
+        p, q = build_plan(b, policy, group=4), build_plan(t, policy, group=4)
+        assert torch.equal(p.rest_indptr, q.rest_indptr) and torch.equal(p.rest_indices, q.rest_indices)
+        assert p.rest_indices.dtype == q.rest_indices.dtype == torch.int32
+        assert torch.equal(p.rest_indptr_host, q.rest_indptr_host)
+        assert [(c.prefix_id, c.choice, c.slots.tolist()) for c in p.split] == \
+               [(c.prefix_id, c.choice, c.slots.tolist()) for c in q.split]
+        assert -7 not in q.rest_indices.tolist()
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(kv_indices=torch.arange(4)), "exactly one of kv_indices"),
+    (dict(kv_indices=None, slot_table=None), "exactly one of kv_indices"),
+    (dict(slot_rows=None), "DecodeBatch.slot_rows"),
+    (dict(slot_rows=host_i64([0])), "DecodeBatch.slot_rows"),
+    (dict(slot_table=torch.zeros(4, 6, dtype=torch.int64).t()), "DecodeBatch.slot_table"),
+    (dict(kv_indptr_host=None), "DecodeBatch.kv_indptr_host"),
+])
+def test_a_malformed_slot_table_batch_names_its_field(bad, field):
+    args = dict(kv_indptr=torch.tensor([0, 2, 4]), kv_indices=None, prefix_lens=[1, 1], prefix_ids=[0, 0],
+                hot_starts=[0, 0], kv_indptr_host=torch.tensor([0, 2, 4]), slot_table=torch.zeros(3, 4, dtype=torch.int64),
+                slot_rows=host_i64([0, 1]))
+    args.update(bad)
+    with pytest.raises(ValueError, match=field):
+        DecodeBatch(**args)

@@ -164,6 +164,34 @@ def plan_prefill_paged(wrapper, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor
                  sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype)
 
 
+# FlashInfer prefill backends whose run() reads the KV slot ids from ``_paged_kv_indices_buf`` and whose
+# plan derives nothing else from them (fa2 / fa3: prefill.py, BatchPrefillWithPagedKVCacheWrapper); the
+# others (trtllm-gen, cudnn, cute-dsl) build block tables from the ids inside plan().
+SCHEDULE_ONLY_BACKENDS = ("fa2", "fa3")
+
+
+def keeps_prefill_schedule(wrapper) -> bool:
+    """Whether ``set_prefill_indices`` may stand in for a re-plan of this (planned) prefill wrapper."""
+    return getattr(wrapper, "_backend", None) in SCHEDULE_ONLY_BACKENDS
+
+
+def set_prefill_indices(wrapper, kv_indices: torch.Tensor) -> None:
+    """Point a planned BatchPrefillWithPagedKVCacheWrapper at new KV slot ids ``kv_indices`` [nnz]
+    (device) for the SAME qo / kv indptrs as its last ``plan()``: FlashInfer's prefill schedule (its
+    plan info, the kv-length buffer) is a function of the indptrs alone, so only the ids the kernel
+    reads change. The analogue of what ``fast_decode_plan`` skips for decode, done the way plan()
+    stores them: graph mode copies into the wrapper's indices buffer (a captured graph reads it),
+    eager mode keeps the int32 tensor. The caller guarantees the indptrs are unchanged."""
+    n = kv_indices.numel()
+    if wrapper.is_cuda_graph_enabled:
+        if n > wrapper._paged_kv_indices_buf.numel():
+            raise ValueError(f"prefill indices: {n} slot ids exceed the graph-mode buffer "
+                             f"({wrapper._paged_kv_indices_buf.numel()})")
+        wrapper._paged_kv_indices_buf[:n].copy_(kv_indices, non_blocking=True)
+    else:
+        wrapper._paged_kv_indices_buf = kv_indices.int()
+
+
 def make_cascade_wrapper(ws: torch.Tensor, num_levels: int = 2, graph_bufs: Optional[dict] = None):
     """MultiLevelCascadeAttentionWrapper (NHD); ``graph_bufs`` holds per-level buffer lists for graph mode."""
     f = fi()

@@ -142,6 +142,9 @@ class WrapperSet:
                 self.prefill = fo.make_prefill_paged_wrapper(self.ws, pbufs)
         self.last_page_len = torch.ones(b, dtype=torch.int32)            # host: FlashInfer's plan reads it on the host
         self.decode_plan = ""        # which decode plan the last plan() ran: plan | fast ("" before one / multilevel)
+        # (qo_indptr, kv_indptr) of the per-class cascade prefill's last plan: a step with the same
+        # ones re-uses that schedule (see plan())
+        self.cas_shape: Optional[tuple] = None
         self.rows_buf = torch.zeros(b, dtype=torch.int64, device=dev)     # split classes' rows, class after class
         self.slots_buf: Optional[torch.Tensor] = None                     # hydragen prefix slots
         lp_h = max((c.prefix_len for c in split if c.choice == "hydragen"), default=0)
@@ -214,10 +217,19 @@ class WrapperSet:
             for c in cas:
                 qo.append(qo[-1] + len(c.rows))
                 kv.append(kv[-1] + c.prefix_len)
-            fo.plan_prefill_paged(self.prefill, torch.tensor(qo, dtype=torch.int32), torch.tensor(kv, dtype=torch.int32),
-                                  torch.cat([c.slots for c in cas]), spec.num_q_heads, spec.num_kv_heads,
-                                  spec.head_dim, causal=False, sm_scale=spec.sm_scale, q_dtype=spec.dtype,
-                                  kv_dtype=spec.dtype, last_page_len=self.last_page_len[:len(cas)])
+            slots = torch.cat([c.slots for c in cas]) if len(cas) > 1 else cas[0].slots     # [sum Lp] device
+            shape = (tuple(qo), tuple(kv))
+            if shape == self.cas_shape and fo.keeps_prefill_schedule(self.prefill):
+                # the prefill schedule depends only on the indptrs: keep it, give the kernel this
+                # step's prefix slots (the classes' prefixes stay put while they live: mostly the same ids)
+                fo.set_prefill_indices(self.prefill, slots)
+            else:
+                fo.plan_prefill_paged(self.prefill, torch.tensor(qo, dtype=torch.int32),
+                                      torch.tensor(kv, dtype=torch.int32), slots, spec.num_q_heads,
+                                      spec.num_kv_heads, spec.head_dim, causal=False, sm_scale=spec.sm_scale,
+                                      q_dtype=spec.dtype, kv_dtype=spec.dtype,
+                                      last_page_len=self.last_page_len[:len(cas)])
+                self.cas_shape = shape
             if self.cas_span is None:
                 self.cas_rows = self.rows_buf[:qo[-1]]  # the cascade classes' rows, in qo order (packed first)
 

@@ -8,9 +8,9 @@ Requests with equal ``prefix_id`` form a prefix class; a policy (granikv.attenti
 path per class. A class on a split-off path (cascade / dense / hydragen) has its prefix attended
 apart; every request's remaining slots (all of them on the paged path) go to ONE batch decode.
 
-``build_plan`` reads only a DecodeBatch (per-request KV slot ids, prefix lengths, ids and HOT
-starts: the engine's slot-table rows, or SGLang's ``req_to_token`` rows) and the policy: no KV
-cache object, no kernel. The plan is built once per step and read by every layer's run().
+``build_plan`` reads only a DecodeBatch (per-request KV slot ids, packed or as rows of a slot table,
+prefix lengths, ids and HOT starts) and the policy: no KV cache object, no kernel. The plan is built
+once per step and read by every layer's run().
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from granikv.attention.batch import DecodeBatch, arange, host_i64, to_device
+from granikv.attention.batch import DecodeBatch, host_i64
 from granikv.attention.policy import PATHS, PrefixPolicy
 
 
@@ -39,7 +39,7 @@ class ClassPlan:
     meff: int = 0                         # B_class * Hq/Hkv (query rows per kv head)
     n_real: int = 0                       # rows that are requests (not CUDA-graph pad rows): decisions use it
     row_start: int = -1                   # rows == range(row_start, row_start + B_class), else -1 (gathered)
-    slots: Optional[torch.Tensor] = None    # int64 [Lp] prefix slot ids on the device (view of kv_indices)
+    slots: Optional[torch.Tensor] = None    # int64 [Lp] prefix slot ids on the device (a view of kv_indices or the slot table)
 
 
 @dataclass(slots=True)
@@ -154,14 +154,12 @@ def build_plan(batch: DecodeBatch, policy: PrefixPolicy, group: int) -> StepPlan
         else:
             for r in c.rows:
                 skip_l[r] = c.prefix_len
-        ip = ip or indptr_h.tolist()
-        s0 = ip[c.rows[0]]
-        c.slots = batch.kv_indices[s0:s0 + c.prefix_len]
+        if batch.kv_indices is not None:
+            ip = ip or indptr_h.tolist()
+        c.slots = batch.prefix_slots(c.rows[0], c.prefix_len, ip)
         split.append(c)
-    dev = batch.kv_indptr.device
     if skip_l is None:                                             # every row attends its whole slot list
-        rest_indptr, rest_indices = batch.kv_indptr.int(), batch.kv_indices.int()
-        rest_indptr_h = indptr_h
+        skip, rest_indptr_h = None, indptr_h
     else:
         skip = host_i64(skip_l)                                   # [B]
         rest_lens = indptr_h.diff() - skip                        # [B] slots each row keeps
@@ -169,13 +167,7 @@ def build_plan(batch: DecodeBatch, policy: PrefixPolicy, group: int) -> StepPlan
             raise ValueError(f"{name}.plan: a request has fewer KV slots than its prefix_len")
         rest_indptr_h = torch.zeros(b + 1, dtype=torch.int64)
         torch.cumsum(rest_lens, 0, out=rest_indptr_h[1:])
-        nnz = int(rest_indptr_h[-1])
-        # rest slot j of row i sits at kv position j + (slots skipped by rows 0..i) = j + cumsum(skip)[i]
-        # one async host->device copy (no stream sync: the overlap schedule plans while a step runs)
-        packed = to_device(torch.cat([skip.cumsum(0), rest_indptr_h]), dev)
-        shift, rest_indptr_d = packed.split([b, b + 1])           # [B], [B+1]
-        j = arange(nnz, dev)                                      # [nnz]
-        row = torch.searchsorted(rest_indptr_d[1:], j, right=True)   # [nnz] the row of rest slot j
-        rest_indices = batch.kv_indices.index_select(0, j + shift.index_select(0, row)).int()
-        rest_indptr = rest_indptr_d.int()
+    # the kernel's slot lists: one async host->device copy and a few launches, no stream sync (the
+    # overlap schedule plans while a step runs); from a slot table, one gather for every system
+    rest_indptr, rest_indices = batch.slot_lists(skip, rest_indptr_h, indptr_h)
     return StepPlan(b, classes, split, rest_indptr, rest_indices, rest_indptr_h.int(), choose_us)

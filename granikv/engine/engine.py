@@ -30,7 +30,7 @@ import torch.distributed as dist
 from granikv.config import RunConfig
 from granikv.engine.fused import resolve_fused
 from granikv.engine.model import CausalLM, TPGroup, generate_reference
-from granikv.engine.runner import ModelRunner
+from granikv.engine.runner import PLAN_SCOPE, ModelRunner
 from granikv.engine.scheduler import Scheduler, Seq, Storage, check_fits
 from granikv.engine.systems import build_backend, validate
 from granikv.kv import KVCache, SplitPolicy
@@ -347,6 +347,7 @@ class Engine:
             "num_steps": len(steps), "num_decode_steps": sum(s["kind"] == "decode" for s in steps),
             "tp": self.tp.size, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
             "fused_ops": self.fused_ops, "overlap_schedule": bool(self.cfg.hardware.overlap_schedule),
+            "decode_plan_scope": PLAN_SCOPE,                         # what each step's plan_us covers
             **(st.split.stats() if st.split is not None else {}),   # dynamic split only: boundary range, moves
         }
 

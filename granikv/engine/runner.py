@@ -6,9 +6,10 @@ each request's slots (cached prefix first). Tokens matched in the prefix index a
 the batch, so they are never recomputed.
 
 Decode: one token per running request. The slot table ``rows x max_len`` (SGLang's
-req_to_token) lives on the device; each step's ``kv_indices`` is gathered from it with no host
-sync, the decode attention (granikv.attention.decode) is planned once (outside any graph), then
-the model runs per layer. Batches up to ``cuda_graph_max_bs`` are padded to the next captured size
+req_to_token) lives on the device; each step hands the decode attention (granikv.attention.decode)
+the table and the batch's rows, and its plan (once per step, outside any graph) gathers the slot
+lists its kernels read in one pass with no host sync (every system alike, as SGLang builds its
+``kv_indices`` from req_to_token inside its plan), then the model runs per layer. Batches up to ``cuda_graph_max_bs`` are padded to the next captured size
 (pad rows are 1-token rows on one scratch slot, as in SGLang; for every policy that splits prefix
 classes off (all but ``paged``), pad rows join the batch's single prefix class when there is one:
 the batch-global cascade needs a prefix common to every row, and a class covering the whole padded
@@ -43,6 +44,13 @@ from granikv.attention.plan import StepPlan
 from granikv.engine.model import CausalLM
 from granikv.engine.scheduler import PrefillChunk, Seq, Storage
 from granikv.kv import KVCache
+
+# What a decode step's recorded ``plan_us`` covers (the cell records it: engine stats
+# ``decode_plan_scope``): gathering the step's slot lists from the slot table, the policy's choices
+# and the attention's kernel plans, for every system (SGLang's init_forward_metadata covers the same:
+# its kv_indices are built from req_to_token there). Cells without the key timed the plan alone,
+# after the full slot lists had been gathered.
+PLAN_SCOPE = "gather+plan"
 
 
 def graph_sizes(max_bs: int) -> list[int]:
@@ -222,18 +230,16 @@ class ModelRunner:
             pos += [0] * npad
             rows += [self.pad_row] * npad
             lp, pid, hs = lp + [0] * npad, pid + [-1] * npad, hs + [-1] * npad
-        lens = [p + 1 for p in pos]
-        indptr = list(itertools.accumulate(lens, initial=0))
-        # one host->device copy: [lens (bs) | indptr (bs+1) | rows (bs) | pos (bs)]
-        packed = to_device(host_i64(lens + indptr + rows + pos), dev)   # async (pinned)
-        lens_d, indptr_d, rows_d, pos_d = packed.split([bs, bs + 1, bs, bs])
+        indptr = list(itertools.accumulate((p + 1 for p in pos), initial=0))
+        # one host->device copy: [indptr (bs+1) | rows (bs) | pos (bs)]
+        packed_h = host_i64(indptr + rows + pos)
+        packed = to_device(packed_h, dev)                           # async (pinned)
+        indptr_d, rows_d, pos_d = packed.split([bs + 1, bs, bs])
         ids_d = self.last_tok[rows_d]                               # [bs] input ids (pad rows: 0)
-        nnz = indptr[-1]
-        r = torch.repeat_interleave(rows_d, lens_d, output_size=nnz)
-        col = torch.arange(nnz, device=dev) - torch.repeat_interleave(indptr_d[:-1], lens_d, output_size=nnz)
-        batch = DecodeBatch(kv_indptr=indptr_d, kv_indices=self.table[r, col],
-                            prefix_lens=lp, prefix_ids=pid, hot_starts=hs,
-                            kv_indptr_host=host_i64(indptr), num_pad=npad)
+        # the slot lists stay in the table: the attention's plan gathers the ones its kernels read
+        batch = DecodeBatch(kv_indptr=indptr_d, kv_indices=None, prefix_lens=lp, prefix_ids=pid, hot_starts=hs,
+                            kv_indptr_host=packed_h[:bs + 1], num_pad=npad, slot_table=self.table,
+                            slot_rows=packed_h[bs + 1:2 * bs + 1])
         return batch, ids_d, pos_d, rows_d
 
     @torch.inference_mode()
