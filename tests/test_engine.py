@@ -218,6 +218,14 @@ def test_warmup_is_excluded():
 
 
 # ---------------------------------------------------------------------- bad input
+def test_a_preset_for_another_gpu_is_refused(monkeypatch):
+    """hardware=h200 on an H100 would run the H200's table and limits and record the cell under 'h200'."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    with pytest.raises(ValueError, match=r"hardware.gpu_name.*'NVIDIA H200'.*'NVIDIA H100 80GB HBM3'.*runners.calibrate"):
+        Engine(make_cfg(device="cuda", dtype="bfloat16", gpu_name="NVIDIA H200", name="h200"))
+
+
 def test_bad_inputs_fail_before_work():
     with pytest.raises(ValueError, match="tp"):
         make_cfg(tp=3)
