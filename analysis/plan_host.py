@@ -24,7 +24,7 @@ NAME = "plan_host"
 FIGURES: tuple[str, ...] = ()
 BASE = "paged"
 TOP = 4
-KEYS = ["gpu", "shape", "Lp", "B", "k", "class_rows", "step_kind", "backend"]
+KEYS = ["gpu", "shape", "Lp", "B", "k", "class_rows", "batch_form", "step_kind", "backend"]
 COLS = KEYS + ["paths", "plan_us", "base_plan_us", "plan_ratio", "busy_us", "base_busy_us", "busy_ratio", "busy_ms",
                "top", "sweep", "code", "status"]
 
@@ -40,6 +40,11 @@ def _paths(decisions) -> str:
         if isinstance(d, dict) and "backend" in d:
             n[d["backend"]] = n.get(d["backend"], 0) + 1
     return ", ".join(f"{v}x {k}" for k, v in sorted(n.items()))
+
+
+def _or(v, default: str) -> str:
+    """``v``, or ``default`` where the row has none (absent, None or NaN: rows from before the key)."""
+    return default if v is None or (isinstance(v, float) and pd.isna(v)) else str(v)
 
 
 def _top(profile, where: str) -> str:
@@ -69,7 +74,8 @@ def frame(res: Results) -> pd.DataFrame:
             busy = r.get(f"k.plan_us_busy_{kind}")
             rows.append({"gpu": r.get("provenance.gpu_name") or "no GPU (CPU)", "shape": r.get("cell.shape.name"),
                          "Lp": r.get("cell.prefix_len"), "B": r.get("cell.batch"), "k": r.get("cell.num_prefixes"),
-                         "class_rows": r.get("cell.class_rows") or "round_robin", "step_kind": kind,
+                         "class_rows": r.get("cell.class_rows") or "round_robin",
+                         "batch_form": _or(r.get("cell.batch_form"), "packed"), "step_kind": kind,
                          "backend": r.get("k.backend"), "paths": _paths(r.get("k.decisions")),
                          "plan_us": float(us), "busy_us": None if busy is None or pd.isna(busy) else float(busy),
                          "busy_ms": r.get("k.plan_busy_ms"), "top": _top(r.get(f"k.plan_profile_{kind}"), where),
@@ -84,7 +90,7 @@ def frame(res: Results) -> pd.DataFrame:
     t["plan_ratio"] = t["plan_us"] / t["base_plan_us"]
     t["busy_ratio"] = t["busy_us"] / t["base_busy_us"]
     t["status"] = "measured"
-    t = t.sort_values(["gpu", "shape", "Lp", "B", "k", "class_rows", "step_kind", "sweep", "code", "backend"],
+    t = t.sort_values(["gpu", "shape", "Lp", "B", "k", "class_rows", "batch_form", "step_kind", "sweep", "code", "backend"],
                       kind="stable")
     return t[COLS].reset_index(drop=True)
 
@@ -103,7 +109,10 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
                      "wrapper set or the CUDA-graph-mode set (step_kind); busy_us: the same while the GPU runs "
                      "busy_ms of other work, as the engine's overlap schedule plans (a plan that waits for the "
                      "device shows there); base_*: the paged backend (SGLang default's path) in the same cell and "
-                     "step kind; ratio = backend / paged. paths: the backend's path per prefix class. top: the "
+                     "step kind; ratio = backend / paged. batch_form: packed = the cell's slot lists given packed "
+                     "(plan_us leaves out building them; GraniKV's plan rebuilds prefix-free copies), slot_table = "
+                     "given as slot-table rows, every backend's plan gathers the lists it runs (the engine's form). "
+                     "paths: the backend's path per prefix class. top: the "
                      "plan's costliest functions under cProfile, own microseconds per plan (indicative). A busy_us "
                      "of about busy_ms plus plan_us for every backend, paged included, means each plan read "
                      "something back from the device: the kernel bench's batches carried no host copy of the "

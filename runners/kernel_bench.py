@@ -63,6 +63,7 @@ from granikv.config import DENSE_KERNELS
 
 VARIANTS = ("paged", "cascade", "cascade_composed", "hydragen", "dense", "dense_unsplit", "granikv_cascade", "granikv")
 CLASS_ROWS = ("round_robin", "blocked")   # how a decode cell's B requests are spread over its k classes
+BATCH_FORMS = ("packed", "slot_table")    # a decode cell's slot lists: packed kv_indices, or slot-table rows
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -98,6 +99,7 @@ class BenchSpec:
     profile_plan: int = 0
     plan_busy_ms: float = 0.0
     class_rows: str = "round_robin"
+    batch_form: str = "packed"
     dispatch_cost: bool = True
     decision_table: Optional[list] = None
     gpu_name: Optional[str] = None
@@ -124,6 +126,8 @@ class BenchSpec:
             raise ValueError("kernel_bench: suffix_len, layout_batch, reps must be >= 1 and warmup >= 0")
         if self.class_rows not in CLASS_ROWS:
             raise ValueError(f"kernel_bench.class_rows: '{self.class_rows}' not in {CLASS_ROWS}")
+        if self.batch_form not in BATCH_FORMS:
+            raise ValueError(f"kernel_bench.batch_form: '{self.batch_form}' not in {BATCH_FORMS}")
         if self.plan_reps < 0 or self.profile_plan < 0 or self.plan_busy_ms < 0:
             raise ValueError(f"kernel_bench: plan_reps ({self.plan_reps}), profile_plan ({self.profile_plan}) and "
                              f"plan_busy_ms ({self.plan_busy_ms}) must be >= 0 (0 = off)")
@@ -239,11 +243,11 @@ def profile_row(spec: BenchSpec, fn, dev: torch.device) -> dict:
 def bench_decode_cell(spec: BenchSpec, shape: Shape, lp: int, b: int, k: int, peaks: dict) -> tuple[list, dict]:
     dev = torch.device(spec.device)
     kc, vc, batch = build_cell(shape, lp, b, k, spec.suffix_len, spec.torch_dtype, dev, spec.seed,
-                               blocked=spec.class_rows == "blocked")
+                               blocked=spec.class_rows == "blocked", slot_table=spec.batch_form == "slot_table")
     q = torch.randn(b, shape.hq, shape.d, device=dev, generator=None).to(spec.torch_dtype)
     ref = None
     if spec.check_error:
-        ref, _ = R.paged_decode_ref(q.float(), kc.float(), vc.float(), batch.kv_indptr, batch.kv_indices)
+        ref, _ = R.paged_decode_ref(q.float(), kc.float(), vc.float(), batch.kv_indptr, batch.all_slots())
     flops = attention_flops(shape, batch)
     elt = kc.element_size()
     rows = []
@@ -484,7 +488,7 @@ def run(spec: BenchSpec) -> dict:
         cell = {"cell_id": cid, "kind": c[0]}
         if c[0] == "decode":
             cell.update({"shape": asdict(c[1]), "prefix_len": c[2], "batch": c[3], "num_prefixes": c[4],
-                         "suffix_len": spec.suffix_len, "class_rows": spec.class_rows})
+                         "suffix_len": spec.suffix_len, "class_rows": spec.class_rows, "batch_form": spec.batch_form})
         elif c[0] == "layout":
             cell.update({"shape": asdict(c[1]), "prefix_len": c[2], "batch": c[3]})
         rawio.write_json(d / "config.json", {**spec_d, "cell": cell, "peaks": peaks, "provenance": prov})

@@ -15,8 +15,8 @@ from analysis.load import load_results
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _bench(raw, *extra):
-    args = ["hardware=cpu", f"results_dir={raw}", "sweep_name=pb", "prefix_lens=[40]", "batches=[4]",
+def _bench(raw, *extra, sweep="pb"):
+    args = ["hardware=cpu", f"results_dir={raw}", f"sweep_name={sweep}", "prefix_lens=[40]", "batches=[4]",
             "num_prefixes=[2]", "layout=false", "dispatch_cost=false", "backends=[paged,granikv]",
             "shapes=[{name:t,hq:8,hkv:2,d:16}]", *extra]
     p = subprocess.run([sys.executable, "-m", "runners.kernel_bench", *args], cwd=ROOT, capture_output=True, text=True,
@@ -61,3 +61,15 @@ def test_report_lines(timed):
     rows = [x for x in L if x.startswith("- ")]
     assert len(rows) == 1 and rows[0].startswith("- pb (no GPU (CPU)), eager plans:") and "worst: Lp=40, B=4, k=2" in rows[0]
     assert PH.lines(PH.frame(load_results(timed)).iloc[0:0])[-1].startswith("- not measured")
+
+
+def test_batch_forms_stay_apart(timed, tmp_path):
+    # a slot-table run beside the packed one: its rows say so, each compared with the paged row of its own cell
+    raw = _bench(tmp_path / "raw", "plan_reps=5", "class_rows=blocked", "batch_form=slot_table", sweep="pb_table")
+    res = load_results(timed)
+    both = load_results(raw)
+    both.kernels = pd.concat([res.kernels, both.kernels], ignore_index=True)
+    t = PH.frame(both)
+    assert sorted(t["batch_form"]) == ["packed", "packed", "slot_table", "slot_table"]
+    for form, g in t.groupby("batch_form"):
+        assert g[g["backend"] == "paged"]["plan_ratio"].iloc[0] == pytest.approx(1.0)

@@ -218,3 +218,21 @@ def test_layout_bytes_count_the_slab_once_for_both_contiguous_variants():
     assert one == 16384 * tok + qo
     assert kb.layout_bytes("contiguous_dense_split", 16384, 256, tok, qo) == one      # the chunks read the slab once
     assert kb.layout_bytes("paged_unique_decode", 16384, 256, tok, qo) == 256 * 16384 * tok + qo
+
+
+def test_kernel_bench_slot_table_batches(tmp_path):
+    # batch_form=slot_table: the cell's slot lists as slot-table rows (the engine's form), same lists as packed;
+    # every backend's plan then gathers its own lists, and the outputs still match the reference
+    import torch
+
+    from granikv.attention.bench import Shape, build_cell
+    _, _, packed = build_cell(Shape("t", 8, 2, 16), 8, 6, 2, 3, torch.float32, torch.device("cpu"))
+    _, _, table = build_cell(Shape("t", 8, 2, 16), 8, 6, 2, 3, torch.float32, torch.device("cpu"), slot_table=True)
+    assert table.kv_indices is None and torch.equal(table.all_slots(), packed.kv_indices)
+    p = _run(tmp_path, "backends=[paged,granikv]", "batch_form=slot_table", "cells=[t-lp40-b4-k2]", "plan_reps=3")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = rawio.read_jsonl(tmp_path / "kernel" / "t-lp40-b4-k2" / "kernel.jsonl")
+    assert all(r["max_abs_err"] < 1e-4 and r["plan_us_eager"] > 0 for r in rows)
+    assert rawio.read_json(tmp_path / "kernel" / "t-lp40-b4-k2" / "config.json")["cell"]["batch_form"] == "slot_table"
+    bad = _run(tmp_path / "bad", "batch_form=rows")
+    assert bad.returncode != 0 and "kernel_bench.batch_form" in bad.stderr

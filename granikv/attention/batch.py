@@ -68,6 +68,14 @@ class DecodeBatch:
     def batch_size(self) -> int:
         return len(self.prefix_lens)
 
+    def all_slots(self) -> torch.Tensor:
+        """int64 [nnz] (device): every request's whole slot list, packed by kv_indptr (kv_indices, or
+        gathered from the slot table: for references and checks, not for a step's plan)."""
+        if self.kv_indices is not None:
+            return self.kv_indices
+        ip = self.kv_indptr_host.to(torch.int64)
+        return self.slot_lists(None, ip, ip)[1].long()
+
     def prefix_slots(self, row: int, prefix_len: int, indptr: Optional[list[int]] = None) -> torch.Tensor:
         """int64 [prefix_len] (device view): the first ``prefix_len`` slot ids of request ``row``.
         ``indptr``: kv_indptr as a host list (needed with kv_indices)."""

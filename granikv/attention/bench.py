@@ -221,9 +221,11 @@ def measure_peaks(device: torch.device, dtype: torch.dtype) -> dict:
 
 
 def build_cell(shape: Shape, lp: int, b: int, k: int, suffix_len: int, dtype: torch.dtype, device: torch.device,
-               seed: int = 0, blocked: bool = False) -> tuple[torch.Tensor, torch.Tensor, DecodeBatch]:
+               seed: int = 0, blocked: bool = False, slot_table: bool = False) -> tuple[torch.Tensor, torch.Tensor, DecodeBatch]:
     """k_cache/v_cache [C, Hkv, D] and the DecodeBatch of one cell (see module doc). ``blocked``: each
-    class's requests are adjacent rows (as the engine orders a decode batch), else round-robin."""
+    class's requests are adjacent rows (as the engine orders a decode batch), else round-robin.
+    ``slot_table``: the slot lists as rows of a slot table (the engine's form: every backend's plan
+    then gathers the lists it runs), else packed into kv_indices."""
     if k > b:
         raise ValueError(f"num_prefixes={k} > batch={b}: every prefix class needs at least one request")
     if lp < 1 or suffix_len < 1:
@@ -242,8 +244,12 @@ def build_cell(shape: Shape, lp: int, b: int, k: int, suffix_len: int, dtype: to
     indptr = torch.arange(b + 1, dtype=torch.int64) * (lp + suffix_len)
     # the host copy of the indptr, as the engine and the plugin give it: plan() then never reads it back
     # from the device (a device->host copy would wait for whatever the GPU is running)
-    batch = DecodeBatch(indptr.to(device), idx.reshape(-1).to(device), [lp] * b, cls, [c * lp for c in cls],
-                        kv_indptr_host=indptr.clone())
+    if slot_table:                                                           # idx [B, Lp+S] is a slot table
+        batch = DecodeBatch(indptr.to(device), None, [lp] * b, cls, [c * lp for c in cls],
+                            kv_indptr_host=indptr.clone(), slot_table=idx.to(device), slot_rows=torch.arange(b))
+    else:
+        batch = DecodeBatch(indptr.to(device), idx.reshape(-1).to(device), [lp] * b, cls, [c * lp for c in cls],
+                            kv_indptr_host=indptr.clone())
     return k_cache, v_cache, batch
 
 
