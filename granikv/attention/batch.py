@@ -49,6 +49,7 @@ class DecodeBatch:
     slot_rows: Optional[torch.Tensor] = None
 
     def __post_init__(self):
+        self._rows: Optional[list[int]] = None             # slot_rows as a host list, made on first use
         if (self.kv_indices is None) == (self.slot_table is None):
             raise ValueError("DecodeBatch: give exactly one of kv_indices (the packed slot lists) and slot_table "
                              "(with slot_rows)")
@@ -80,7 +81,9 @@ class DecodeBatch:
         """int64 [prefix_len] (device view): the first ``prefix_len`` slot ids of request ``row``.
         ``indptr``: kv_indptr as a host list (needed with kv_indices)."""
         if self.slot_table is not None:
-            return self.slot_table[int(self.slot_rows[row]), :prefix_len]
+            if self._rows is None:                     # host list once per batch: a tensor index per class costs more
+                self._rows = self.slot_rows.tolist()
+            return self.slot_table[self._rows[row], :prefix_len]
         s0 = indptr[row]
         return self.kv_indices[s0:s0 + prefix_len]
 
