@@ -75,7 +75,7 @@ class DecodeBatch:
         if self.kv_indices is not None:
             return self.kv_indices
         ip = self.kv_indptr_host.to(torch.int64)
-        return self.slot_lists(None, ip, ip)[1].long()
+        return self.slot_lists(None, ip)[1].long()
 
     def prefix_slots(self, row: int, prefix_len: int, indptr: Optional[list[int]] = None) -> torch.Tensor:
         """int64 [prefix_len] (device view): the first ``prefix_len`` slot ids of request ``row``.
@@ -87,13 +87,12 @@ class DecodeBatch:
         s0 = indptr[row]
         return self.kv_indices[s0:s0 + prefix_len]
 
-    def slot_lists(self, skip: Optional[torch.Tensor], rest_indptr_h: torch.Tensor,
-                   indptr_h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def slot_lists(self, skip: Optional[torch.Tensor], rest_indptr_h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot lists one decode kernel reads: request i's slots from position ``skip[i]`` on.
 
         skip          int64 [B] host, None = 0 (every request's whole list)
-        rest_indptr_h int64 [B+1] host: cumsum of (list length - skip), the packed layout
-        indptr_h      int64 [B+1] host: kv_indptr
+        rest_indptr_h int64 [B+1] host: cumsum of (list length - skip), the packed layout (kv_indptr's
+                      host copy when skip is None)
         -> (rest_indptr int32 [B+1], rest_indices int32 [nnz]), both on the device; no stream sync.
         """
         dev = self.kv_indptr.device

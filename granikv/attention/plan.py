@@ -169,5 +169,5 @@ def build_plan(batch: DecodeBatch, policy: PrefixPolicy, group: int) -> StepPlan
         torch.cumsum(rest_lens, 0, out=rest_indptr_h[1:])
     # the kernel's slot lists: one async host->device copy and a few launches, no stream sync (the
     # overlap schedule plans while a step runs); from a slot table, one gather for every system
-    rest_indptr, rest_indices = batch.slot_lists(skip, rest_indptr_h, indptr_h)
+    rest_indptr, rest_indices = batch.slot_lists(skip, rest_indptr_h)
     return StepPlan(b, classes, split, rest_indptr, rest_indices, rest_indptr_h.int(), choose_us)
