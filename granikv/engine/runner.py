@@ -10,8 +10,9 @@ req_to_token) lives on the device; each step hands the decode attention (granikv
 the table and the batch's rows, and its plan (once per step, outside any graph) gathers the slot
 lists its kernels read in one pass with no host sync (every system alike, as SGLang builds its
 ``kv_indices`` from req_to_token inside its plan), then the model runs per layer. Batches up to
-``cuda_graph_max_bs`` are padded to the next captured size (pad rows are 1-token rows on one scratch slot, as in SGLang; for every policy that splits prefix
-classes off (all but ``paged``), pad rows join the batch's single prefix class when there is one:
+``cuda_graph_max_bs`` are padded to the next captured size (pad rows are 1-token rows on one
+scratch slot, as in SGLang; for every policy that splits prefix classes off (all but ``paged``), pad
+rows join the batch's single prefix class when there is one:
 the batch-global cascade needs a prefix common to every row, and a class covering the whole padded
 batch keeps the graph key a function of the padded size and the other policies on their no-gather
 full-cover path; policies decide on real rows only, ``DecodeBatch.num_pad``).
