@@ -253,6 +253,15 @@ class HardwareConfig:
     allreduce: str = "nccl"
     allreduce_symm_max_mib: float = 8.0   # SGLang's custom all-reduce default limit (8 MiB)
 
+    def check_gpu(self, actual: str) -> None:
+        """Refuse to run this preset on a GPU of another model (``actual``: the device's name): it would
+        run the preset's decision table and limits there and record the cell under the preset's name,
+        where it pools with the preset's cells. A preset with an empty ``gpu_name`` runs anywhere."""
+        _need(not (self.device == "cuda" and self.gpu_name) or actual.lower() == self.gpu_name.lower(),
+              "hardware.gpu_name", f"the preset '{self.name}' is for '{self.gpu_name}', but this GPU is "
+              f"'{actual}'; run it on a {self.gpu_name}, or pass hardware.gpu_name='{actual}' with a decision "
+              "table fitted on this GPU (python -m runners.calibrate)")
+
     def __post_init__(self):
         _need(self.device in ("cpu", "cuda"), "hardware.device", "cpu | cuda")
         _need(self.fused_ops in ("auto", "on", "off"), "hardware.fused_ops", "auto | on | off")

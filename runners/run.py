@@ -205,8 +205,9 @@ class SweepPrecheck(Callback):
             try:
                 rc = resolve(_compose_cached(ov, compose))
                 check_workload(rc)
-                if local:  # a cluster launcher starts the tp processes itself
+                if local:  # a cluster launcher starts the tp processes itself (on GPUs this host may not have)
                     check_world(rc)
+                    check_gpu(rc)
             except ConfigError as e:
                 bad.append(f"  {cell_id(ov)}: {e}")
         if bad:
@@ -216,6 +217,20 @@ class SweepPrecheck(Callback):
                       + "\n".join(bad), file=sys.stderr)
             finally:  # even if stderr is a closed pipe
                 raise SystemExit(2)
+
+
+def check_gpu(rc: RunConfig) -> None:
+    """The hardware preset is for this host's GPU model (HardwareConfig.check_gpu); no check without CUDA
+    (the engine then refuses ``hardware.device=cuda`` itself)."""
+    if rc.hardware.device != "cuda":
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        try:
+            rc.hardware.check_gpu(torch.cuda.get_device_name(0))
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
 
 
 # ---------------------------------------------------------------- tensor parallelism (torchrun)

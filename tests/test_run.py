@@ -359,3 +359,19 @@ def test_tp4_headline_preset_under_torchrun(tmp_path):
         assert cfg["tp"] == 4 and cfg["workload"]["kind"] == "sharegpt" and cfg["workload"]["batch"] == 2
         outs.append([r["output_ids"] for r in rawio.read_jsonl(c / "requests.jsonl")])
     assert outs[0] == outs[1] and all(outs[0])
+
+
+def test_a_sweep_on_another_gpu_model_stops_before_any_cell(monkeypatch):
+    # hardware=h200 on an H100: the precheck refuses it (naming both GPUs and the fix) before a cell runs;
+    # a preset with an empty gpu_name, or a CPU preset, runs anywhere
+    import torch
+
+    from runners.run import check_gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    rc = to_run_config(compose_cfg(["hardware=h200", "workload=synthetic"]))
+    with pytest.raises(ConfigError, match=r"hardware.gpu_name.*'NVIDIA H200'.*'NVIDIA H100 80GB HBM3'"):
+        check_gpu(rc)
+    check_gpu(to_run_config(compose_cfg(["hardware=h200", "workload=synthetic", "hardware.gpu_name=''"])))
+    check_gpu(to_run_config(compose_cfg(["hardware=cpu", "workload=synthetic"])))

@@ -122,15 +122,8 @@ class Engine:
         validate(system)
         if hw.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("config error at `hardware.device`: cuda requested but no GPU is visible; use hardware=cpu")
-        if hw.device == "cuda" and hw.gpu_name:
-            # a preset is for one GPU model (its decision table, engine limits and KV budget rule): run on
-            # another, a cell would record that GPU under the preset's name and pool with the preset's cells
-            actual = torch.cuda.get_device_name(0)
-            if actual.lower() != hw.gpu_name.lower():
-                raise ValueError(f"config error at `hardware.gpu_name`: the preset '{hw.name}' is for "
-                                 f"'{hw.gpu_name}', but this GPU is '{actual}'; run it on a {hw.gpu_name}, or pass "
-                                 f"hardware.gpu_name='{actual}' with a decision table fitted on this GPU "
-                                 "(python -m runners.calibrate)")
+        if hw.device == "cuda":
+            hw.check_gpu(torch.cuda.get_device_name(0))
         if hw.device == "cpu" and hw.kv_budget_tokens is None and not hw.kv_budget_per_model:
             raise ValueError("config error at `hardware.kv_budget_tokens`: required on CPU; "
                              "e.g. hardware.kv_budget_tokens=4096")
