@@ -74,7 +74,7 @@ def frame(res: Results) -> pd.DataFrame:
             busy = r.get(f"k.plan_us_busy_{kind}")
             rows.append({"gpu": r.get("provenance.gpu_name") or "no GPU (CPU)", "shape": r.get("cell.shape.name"),
                          "Lp": r.get("cell.prefix_len"), "B": r.get("cell.batch"), "k": r.get("cell.num_prefixes"),
-                         "class_rows": r.get("cell.class_rows") or "round_robin",
+                         "class_rows": _or(r.get("cell.class_rows"), "round_robin"),
                          "batch_form": _or(r.get("cell.batch_form"), "packed"), "step_kind": kind,
                          "backend": r.get("k.backend"), "paths": _paths(r.get("k.decisions")),
                          "plan_us": float(us), "busy_us": None if busy is None or pd.isna(busy) else float(busy),
