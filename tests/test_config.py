@@ -36,7 +36,7 @@ def test_contract_options_exist():
     assert set(options("model")) >= {"llama3_8b", "qwen25_14b", "qwen25_32b", "tiny"}
     assert set(options("system")) >= {"sglang_default", "sglang_cascade", "hydragen", "granikv"}
     assert set(options("workload")) == {"synthetic", "sharegpt", "multiprefix"}
-    assert set(options("hardware")) == {"h200", "a100_40gb", "cpu"}
+    assert set(options("hardware")) == {"h200", "h100", "a100_40gb", "cpu"}
     assert set(options("launcher")) == {"local", "slurm"}
     assert len(options("sweep")) >= 10
 

@@ -296,6 +296,38 @@ def test_committed_h200_step_kind_tables_are_the_fit_of_the_committed_eager_cali
                 assert c == "paged" or cost[c] < cost["paged"]
 
 
+def test_committed_h100_table_is_the_fit_of_its_own_calibration_for_every_shape():
+    """conf/hardware/h100.yaml: every shape of the calibration grid has graph and eager rules, each exactly
+    what runners.calibrate fits from the committed calibration_h100 points (no hand edit, no H200 rule),
+    all of them measured on the H100; the guard holds at every point in its step kind's cost."""
+    hw = yaml.safe_load((ROOT / "conf" / "hardware" / "h100.yaml").read_text())
+    table = hw["decision_table"]
+    assert hw["gpu_name"] == "NVIDIA H100 80GB HBM3" and {r["gpu"] for r in table} == {hw["gpu_name"]}
+    cal = ROOT / "results" / "raw" / "calibration_h100"
+    fits = sorted(cal.glob("fit-*"))
+    assert {f.name[4:] for f in fits} == {"llama3_8b", "qwen25_14b", "qwen25_14b_tp2", "qwen25_32b_tp4"}
+    cells = [c for c in cal.iterdir() if not c.name.startswith("fit-")]
+    assert len(cells) == 160
+    assert {rawio.read_json(c / "config.json")["provenance"]["gpu_name"] for c in cells} == {hw["gpu_name"]}
+    n_rules = 0
+    for fit_dir in fits:
+        s = rawio.read_json(fit_dir / "config.json")["cell"]["shape"]
+        key = (s["hq"], s["hkv"], s["d"])
+        rules = [r for r in table if (r["num_q_heads"], r["num_kv_heads"], r["head_dim"]) == key]
+        points = rawio.read_jsonl(fit_dir / "kernel.jsonl")
+        assert len(points) == 40 and all("host_eager" in p for p in points)
+        assert {r.get("graph") for r in rules} == {True, False}
+        assert fit(points, hw["gpu_name"], Shape(s["name"], *key)) == rules
+        d = Dispatcher(*key, hw["gpu_name"], table)
+        for p in points:
+            b = p["meff"] * key[1] // key[0]
+            for graph, cost in ((True, p["times"]), (False, eager_costs(p))):
+                c = d.choose(p["prefix_len"], b, graph=graph)
+                assert c == guarded_best(cost) and (c == "paged" or cost[c] < cost["paged"])
+        n_rules += len(rules)
+    assert n_rules == len(table)
+
+
 # ---------------------------------------------------------------- per-step host cost: a dict lookup
 def test_choose_per_step_is_a_cache_hit_after_first_sight(monkeypatch):
     for table in (KIND_TABLE, [{"meff_min": 256, "choice": "dense"}, {"choice": "cascade"}]):
