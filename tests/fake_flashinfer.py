@@ -149,6 +149,44 @@ class MultiLevelCascadeAttentionWrapper:
         return out
 
 
+class BatchPrefillWithRaggedKVCacheWrapper:
+    """Ragged prefill: segment i's queries q[qo[i]:qo[i+1]] attend keys k[kv[i]:kv[i+1]] (non-causal here).
+    In graph mode the batch size is fixed by the indptr buffers, plan() writes them, run() reads only them."""
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
+                 kv_indptr_buf=None, backend="auto"):
+        assert kv_layout == "NHD"
+        if use_cuda_graph:
+            assert qo_indptr_buf is not None and kv_indptr_buf is not None and qo_indptr_buf.numel() == kv_indptr_buf.numel()
+        self.graph, self.qo_buf, self.kv_buf, self.state = use_cuda_graph, qo_indptr_buf, kv_indptr_buf, None
+
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None, causal=False,
+             sm_scale=None, q_data_type=None, kv_data_type=None, **kw):
+        _i32(qo_indptr, "qo_indptr"); _i32(kv_indptr, "kv_indptr")
+        assert not causal and num_qo_heads % num_kv_heads == 0
+        assert bool((qo_indptr[1:] >= qo_indptr[:-1]).all()) and bool((kv_indptr[1:] >= kv_indptr[:-1]).all())
+        assert int(qo_indptr[0]) == 0 and int(kv_indptr[0]) == 0
+        if self.graph:
+            assert qo_indptr.numel() == self.qo_buf.numel(), "cudagraph mode: batch size is fixed"
+            self.qo_buf.copy_(qo_indptr)
+            self.kv_buf.copy_(kv_indptr)
+        else:
+            self.state = (qo_indptr.clone(), kv_indptr.clone())
+        self.heads, self.sm_scale = (num_qo_heads, num_kv_heads), sm_scale
+
+    def run(self, q, k, v, return_lse=False, **kw):
+        qo, kv = (self.qo_buf, self.kv_buf) if self.graph else self.state
+        assert q.shape[0] == int(qo[-1]) and k.shape[0] == int(kv[-1]) == v.shape[0], "q / k rows must match the indptrs"
+        assert (q.shape[1], k.shape[1]) == self.heads
+        o = torch.zeros_like(q)
+        lse = torch.full(q.shape[:2], -float("inf"), dtype=torch.float32)
+        for i in range(qo.numel() - 1):
+            a, b, c, d = int(qo[i]), int(qo[i + 1]), int(kv[i]), int(kv[i + 1])
+            if b > a and d > c:
+                o[a:b], lse[a:b] = R.attention_ref(q[a:b], k[c:d], v[c:d], self.sm_scale)
+        return (o, lse) if return_lse else o
+
+
 def single_prefill_with_kv_cache(q, k, v, *, causal=False, kv_layout="NHD", sm_scale=None, return_lse=False, **kw):
     assert kv_layout == "NHD" and not causal and not kw
     assert k.is_contiguous() and v.is_contiguous()
@@ -205,6 +243,7 @@ def module(fast_plan: bool = True) -> types.ModuleType:
     m = types.ModuleType("flashinfer")
     m.__version__ = "fake-0.7.2.post1"
     for name in ("BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
+                 "BatchPrefillWithRaggedKVCacheWrapper",
                  "MultiLevelCascadeAttentionWrapper", "single_prefill_with_kv_cache", "merge_state",
                  "merge_states", "merge_state_in_place") + (("fast_decode_plan",) if fast_plan else ()):
         setattr(m, name, globals()[name])

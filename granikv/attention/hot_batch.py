@@ -1,0 +1,155 @@
+"""The dense prefix path as ONE batched launch over every HOT group of a step.
+
+The engine's dense path calls one single prefill per prefix class, each on its own contiguous HOT slab
+(``flashinfer_ops.single_prefill_split``). Here every class served dense reads its slab through ONE
+FlashInfer ragged batch prefill over the HOT region that holds the slabs:
+
+- the region ``[region_start, region_start + region_len)`` of the KV cache is one contiguous tensor;
+  its slabs, in address order, are the KV segments of the ragged call, and the gaps between them
+  (slots of other classes, free slots) are segments with no queries;
+- the query rows of the groups, group after group in the same address order, are one run of the batch
+  (``row_start``, ``rows``): the engine and the plugin order decode rows by class;
+- the KV fold of the engine's dense call is kept inside the one launch: key ``t = fold * t' + c`` of kv
+  head ``h`` becomes key ``t'`` of kv head ``c * Hkv + h`` (a free view of the region), query head
+  ``c * Hq + j`` is query head ``j``, and one ``merge_states`` folds the ``fold`` partial states. This
+  needs ``region_start`` and every slab's start and length divisible by ``fold`` (HOT slabs aligned to it);
+- a plan for ``max_segments`` segments pads with empty segments, so a wrapper captured in a CUDA graph
+  (whose batch size is fixed at its first plan) is re-planned for any group count up to that size.
+
+``plan_hot_batch`` is pure host arithmetic (tested on CPU). ``HotBatch`` plans once per step and runs per
+layer, as FlashInfer's cascade wrappers do.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from granikv.attention import flashinfer_ops as fo
+
+
+@dataclass(frozen=True)
+class HotGroup:
+    """One prefix class served dense: its HOT slab and its query rows (one run of the batch)."""
+
+    hot_start: int          # first slot of the slab in the KV cache
+    prefix_len: int         # Lp: slab length in tokens
+    row_start: int          # first decode row of the class
+    rows: int               # B_class
+
+
+@dataclass(frozen=True)
+class HotBatchPlan:
+    """What one ragged launch reads, in folded keys (``fold`` keys of a kv head per folded key).
+
+    qo_indptr / kv_indptr: host int32 lists of ``segments + 1`` entries; KV offsets are relative to
+    ``region_start // fold``. Segment i covers q rows ``[qo_indptr[i], qo_indptr[i+1])`` of the
+    groups' run and folded keys ``[kv_indptr[i], kv_indptr[i+1])``.
+    """
+
+    fold: int
+    region_start: int       # slot of the region's first key (multiple of fold)
+    region_len: int         # slots in the region (multiple of fold)
+    row_start: int          # first decode row of the groups' run
+    rows: int               # rows of the run (sum of B_class)
+    qo_indptr: tuple[int, ...]
+    kv_indptr: tuple[int, ...]
+
+    @property
+    def segments(self) -> int:
+        return len(self.qo_indptr) - 1
+
+
+def plan_hot_batch(groups: Sequence[HotGroup], fold: int = 1, max_segments: Optional[int] = None,
+                   region: Optional[tuple[int, int]] = None) -> HotBatchPlan:
+    """The ragged segments of ``groups`` (any order; sorted by address here), gaps as empty segments,
+    padded with empty segments to ``max_segments`` when given. ``region`` (start, length): a fixed region
+    holding every slab (a captured launch bakes the region's address in), else the span of the slabs.
+    Raises ValueError naming the field."""
+    if fold < 1 or fold & (fold - 1):
+        raise ValueError(f"hot_batch.fold: must be a power of two >= 1, got {fold}")
+    gs = sorted(groups, key=lambda g: g.hot_start)
+    for g in gs:
+        if g.prefix_len <= 0 or g.rows <= 0 or g.hot_start < 0 or g.row_start < 0:
+            raise ValueError(f"hot_batch.groups: need hot_start, row_start >= 0 and prefix_len, rows > 0, got {g}")
+        if g.hot_start % fold or g.prefix_len % fold:
+            raise ValueError(f"hot_batch.fold: slab [{g.hot_start}, +{g.prefix_len}) is not aligned to fold={fold}; "
+                             "align HOT slabs to the fold or use a smaller fold")
+    for a, b in zip(gs, gs[1:]):
+        if b.hot_start < a.hot_start + a.prefix_len:
+            raise ValueError(f"hot_batch.groups: slabs overlap ({a} and {b})")
+        if b.row_start != a.row_start + a.rows:
+            raise ValueError("hot_batch.groups: the groups' rows must be one run of the batch in slab address order "
+                             f"({a} then {b}); order decode rows by slab address")
+    qo, kv = [0], [0]
+    base = region[0] if region is not None else (gs[0].hot_start if gs else 0)
+    stop = region[0] + region[1] if region is not None else (gs[-1].hot_start + gs[-1].prefix_len if gs else 0)
+    if base % fold or stop % fold:
+        raise ValueError(f"hot_batch.region: [{base}, {stop}) is not aligned to fold={fold}")
+    if gs and (gs[0].hot_start < base or gs[-1].hot_start + gs[-1].prefix_len > stop):
+        raise ValueError(f"hot_batch.region: [{base}, {stop}) does not hold every slab")
+    end = base
+    for g in gs:
+        if g.hot_start > end:                       # a gap: keys no query of this launch reads
+            qo.append(qo[-1])
+            kv.append((g.hot_start - base) // fold)
+        qo.append(qo[-1] + g.rows)
+        kv.append((g.hot_start + g.prefix_len - base) // fold)
+        end = g.hot_start + g.prefix_len
+    if stop > end:                                  # the region's tail past the last slab
+        qo.append(qo[-1])
+        kv.append((stop - base) // fold)
+    n = len(qo) - 1
+    if max_segments is not None:
+        if n > max_segments:
+            raise ValueError(f"hot_batch.max_segments: the step needs {n} segments (groups and gaps), the captured "
+                             f"launch holds {max_segments}; capture with more segments")
+        qo += [qo[-1]] * (max_segments - n)
+        kv += [kv[-1]] * (max_segments - n)
+    return HotBatchPlan(fold, base, stop - base, gs[0].row_start if gs else 0, sum(g.rows for g in gs),
+                        tuple(qo), tuple(kv))
+
+
+class HotBatch:
+    """One ragged FlashInfer prefill for every dense group of a step (module doc).
+
+    graph: the wrapper's indptr buffers are fixed (``max_segments + 1`` int32 each) and ``plan`` writes
+    them in place, so a captured ``run`` replays any later plan of the same segment count.
+    """
+
+    def __init__(self, ws: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 sm_scale: float, backend: str = "auto", max_segments: Optional[int] = None):
+        self.hq, self.hkv, self.d, self.dtype, self.sm_scale = num_q_heads, num_kv_heads, head_dim, dtype, sm_scale
+        self.max_segments = max_segments
+        bufs = {}
+        if max_segments is not None:
+            i32 = dict(dtype=torch.int32, device=ws.device)
+            bufs = dict(use_cuda_graph=True, qo_indptr_buf=torch.zeros(max_segments + 1, **i32),
+                        kv_indptr_buf=torch.zeros(max_segments + 1, **i32))
+        self.wrapper = fo.fi().BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend, **bufs)
+        self.plan_: Optional[HotBatchPlan] = None
+
+    def plan(self, p: HotBatchPlan) -> None:
+        """Host plan of one step (once per step; every layer's run reads it)."""
+        if self.max_segments is not None and p.segments != self.max_segments:
+            raise ValueError(f"hot_batch.plan: {p.segments} segments, the wrapper holds {self.max_segments}; "
+                             "plan with max_segments")
+        n = p.fold
+        self.wrapper.plan(torch.tensor(p.qo_indptr, dtype=torch.int32), torch.tensor(p.kv_indptr, dtype=torch.int32),
+                          n * self.hq, n * self.hkv, self.d, causal=False, sm_scale=self.sm_scale,
+                          q_data_type=self.dtype, kv_data_type=self.dtype)
+        self.plan_ = p
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, Hq, D], k_cache / v_cache [C, Hkv, D] -> prefix state of the groups' rows:
+        (o [rows, Hq, D], lse [rows, Hq] fp32, base 2)."""
+        p = self.plan_
+        n = p.fold
+        qs = q[p.row_start:p.row_start + p.rows]
+        kr = k_cache[p.region_start:p.region_start + p.region_len].view(p.region_len // n, n * self.hkv, self.d)
+        vr = v_cache[p.region_start:p.region_start + p.region_len].view(p.region_len // n, n * self.hkv, self.d)
+        o, s = self.wrapper.run(qs.repeat(1, n, 1) if n > 1 else qs, kr, vr, return_lse=True)
+        if n == 1:
+            return o, s
+        return fo.fi().merge_states(o.view(p.rows, n, self.hq, self.d), s.view(p.rows, n, self.hq))
