@@ -26,6 +26,7 @@ import hashlib
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import traceback
@@ -450,6 +451,9 @@ def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], e
         lines = getattr(engine, name, None)
         if lines:
             (cell / f"server_{name}.txt").write_text("\n".join(lines) + "\n")
+    trace = getattr(engine, "trace", None)            # a server cell: SGLang's own trace (profile_steps > 0)
+    if trace is not None:
+        shutil.copyfile(trace, cell / "trace.json.gz")
     rawio.write_jsonl(cell / "requests.jsonl", _request_rows(requests, result.records), compress=True)
     rawio.write_jsonl(cell / "steps.jsonl", result.steps, compress=True)
     m = metrics_mod.summarize(result.records, result.steps, result.stats)

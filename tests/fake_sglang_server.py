@@ -6,7 +6,8 @@ Endpoints as SGLang 0.5.17 has them: ``GET /health_generate`` (503 while startin
 ``GET /server_info`` (version, resolved args, max_total_num_tokens), ``POST /flush_cache`` (400
 while requests run), ``POST /generate`` with ``stream: true``: chunked ``data: {json}`` lines
 carrying ``output_ids`` (new ones with --incremental-streaming-output, else all so far) and
-``meta_info``, then ``data: [DONE]``. At most B requests generate at once (the rest queue); one
+``meta_info``, then ``data: [DONE]``; ``POST /start_profile`` (``num_steps`` decode steps later it writes
+``<output_dir>/<profile_id>-TP-0.trace.json.gz``). At most B requests generate at once (the rest queue); one
 token per ``FAKE_SGLANG_TOKEN_S`` seconds; token ids are a function of the prompt. It logs
 "Prefill batch" / "Decode batch" lines as SGLang does, and appends each event (``generate``
 with the request's length, ``flush``) to ``FAKE_SGLANG_EVENTS`` when set.
@@ -45,6 +46,7 @@ class State:
         self.lock = threading.Lock()
         self.slots = threading.Semaphore(args.max_running_requests)
         self.step = 0
+        self.profile = None       # (output path, steps left) while a /start_profile runs
 
     def event(self, **kw) -> None:
         if EVENTS:
@@ -93,6 +95,15 @@ def make_handler(st: State):
                     st.event(kind="flush")
                     log("Cache flushed successfully!")
                 self._send(400 if busy else 200, b"pending requests" if busy else b"Cache flushed.\n")
+                return
+            if self.path.startswith("/start_profile"):
+                req = json.loads(body or b"{}")
+                path = os.path.join(req.get("output_dir") or "/tmp", f"{req.get('profile_id', 'x')}-TP-0.trace.json.gz")
+                with st.lock:
+                    st.profile = (path, int(req.get("num_steps") or 5))
+                st.event(kind="start_profile", num_steps=st.profile[1], activities=req.get("activities"))
+                log("Profiling starts.")
+                self._send(200, b"Start profiling.\n")
                 return
             if not self.path.startswith("/generate"):
                 self._send(404, b"not found")
@@ -151,6 +162,17 @@ def decode_logger(st: State) -> None:
             r = st.running
         if r:
             st.step += 1
+            with st.lock:
+                prof = st.profile
+                if prof is not None:
+                    st.profile = (prof[0], prof[1] - 1) if prof[1] > 1 else None
+            if prof is not None and prof[1] == 1:     # the last profiled step: write the trace, as SGLang does
+                import gzip
+
+                os.makedirs(os.path.dirname(prof[0]), exist_ok=True)
+                with gzip.open(prof[0], "wt") as f:
+                    json.dump({"traceEvents": [{"name": "fake_decode_step", "ph": "X", "ts": 0, "dur": 1}]}, f)
+                log("Profiling done.")
             if st.step % st.args.decode_log_interval == 0:
                 log(f"Decode batch, #running-req: {r}, #token: {r * 10}, token usage: 0.01, cuda graph: True, "
                     f"gen throughput (token/s): {r / 0.02:.2f}, #queue-req: 0, ")

@@ -4,6 +4,7 @@ cache flushes, server reuse, and every failure path (no health, early exit, shor
 stream, a busy port, a server dying mid-run) leaving failure.json with the log lines, never metrics.json."""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import socket
@@ -154,6 +155,22 @@ def test_cell_on_a_fake_server_matches_the_engine_cell_schema(fake):
     pid = pool.current.pid
     pool.close(keep=False)
     assert not srvmod._pid_alive(pid)                     # stopped by its own process id
+
+
+def test_profile_steps_brings_back_the_servers_own_trace_of_decode_steps(fake, monkeypatch):
+    """profile_steps on a server cell: at the measured replay's first decode step the server is asked to profile
+    that many steps; its trace lands in the cell as trace.json.gz and the cell says how it went."""
+    tmp, pool = fake
+    monkeypatch.setenv("FAKE_SGLANG_TOKEN_S", "0.02")
+    ov = [*FAKE, "workload.output_len=24", "profile_steps=3", f"results_dir={tmp / 'raw'}", "sweep_name=s"]
+    cell = run_cell(cfg_of([*ov, "system.server.decode_log_interval=1"]), ov)
+    assert rawio.cell_state(cell) == "done"
+    with gzip.open(cell / "trace.json.gz", "rt") as f:
+        assert json.load(f)["traceEvents"][0]["name"] == "fake_decode_step"
+    m = rawio.read_json(cell / "metrics.json")
+    assert m["server_trace"].startswith("started at the first decode step (3 steps)") and m["server_trace"].endswith("written")
+    starts = [e for e in events(tmp) if e["kind"] == "start_profile"]
+    assert len(starts) == 1 and starts[0]["num_steps"] == 3 and starts[0]["activities"] == ["CPU", "GPU"]
 
 
 def test_consecutive_cells_share_a_server_and_a_new_spec_restarts_it(fake):

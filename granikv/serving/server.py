@@ -184,9 +184,11 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def http(method: str, url: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    """(status, body) of a GET or an empty-bodied POST; status 0 when nothing answered."""
-    req = urllib.request.Request(url, data=b"" if method == "POST" else None, method=method)
+def http(method: str, url: str, timeout: float = 5.0, body: Optional[dict] = None) -> tuple[int, bytes]:
+    """(status, body) of a GET or a POST (empty-bodied, or ``body`` as JSON); status 0 when nothing answered."""
+    data = (json.dumps(body).encode() if body is not None else b"") if method == "POST" else None
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"} if body is not None else {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read()
@@ -200,8 +202,8 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
     return http("GET", url, timeout)
 
 
-def http_post(url: str, timeout: float = 30.0) -> tuple[int, bytes]:
-    return http("POST", url, timeout)
+def http_post(url: str, timeout: float = 30.0, body: Optional[dict] = None) -> tuple[int, bytes]:
+    return http("POST", url, timeout, body)
 
 
 class SGLangServer:

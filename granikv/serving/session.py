@@ -10,10 +10,13 @@ cache is flushed before and after it, and the measured replay starts from an emp
 trace's own arrivals. Every request must come back with exactly its ``output_len`` tokens; a short
 answer, an error or a dead server raises ServerError naming the server's log lines. ``steps`` are
 SGLang's logged prefill and decode batches of the measured window (granikv.serving.sglang_log).
+With ``profile_steps`` > 0, SGLang's own profiler traces that many steps from the first decode step of the
+measured replay (granikv.serving.profile): ``trace`` names the file, ``stats['server_trace']`` says how it went.
 """
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -21,6 +24,7 @@ from typing import Optional
 from granikv.config import RunConfig
 from granikv.request import Request, RunResult
 from granikv.serving.client import Replay, ReplayClient, ReplayError
+from granikv.serving.profile import ServerProfile
 from granikv.serving.server import POOL, ServerError, ServerPool, server_spec
 from granikv.serving.sglang_log import parse_steps
 from granikv.sglang_plugin.path_stats import STAGES
@@ -41,6 +45,7 @@ class ServerEngine:
         self.server = (pool or POOL).acquire(self.spec)
         self.info = self.server.info()
         self.start_log: Optional[list[str]] = None    # set by run(): see there
+        self.trace: Optional[Path] = None             # SGLang's trace of profile_steps steps (run(), profile_steps > 0)
         self.warmup_log: Optional[list[str]] = None
 
     def provenance(self) -> dict:
@@ -92,9 +97,14 @@ class ServerEngine:
             srv.flush_cache()
         start = srv.log_size()
         before = self.plugin_stats()
+        profile = None
+        if self.cfg.profile_steps > 0:
+            profile = ServerProfile(srv, self.cfg.profile_steps, Path(tempfile.mkdtemp(prefix="granikv-trace-")))
+            profile.start(start)
         t0 = time.perf_counter()
         rep = self._replay(client, requests, "measured replay")
         wall = time.perf_counter() - t0
+        self.trace = profile.finish() if profile is not None else None
         time.sleep(0.2)                       # the last batch lines reach the (unbuffered) log
         plugin = stats_delta(before, self.plugin_stats(wait_newer_than=before)) if sc.uses_plugin else None
         steps = parse_steps(srv.log_lines(start, srv.log_size()), sc.decode_log_interval)
@@ -107,6 +117,8 @@ class ServerEngine:
                  "logged_decode_cuda_graph_share": (sum(bool(s.get("cuda_graph")) for s in decode) / len(decode)
                                                     if decode else None),
                  "cached_prompt_tokens": sum(r.cached_len for r in rep.records)}
+        if profile is not None:
+            stats["server_trace"] = profile.note
         if warm_stats is not None:
             stats["warmup"] = warm_stats
         if sc.uses_plugin:

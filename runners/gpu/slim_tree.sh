@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Keep the working tree that travels to the GPU host under its size limit (the device tool sends
 # tracked files, 64 MiB in all with the carried FlashInfer files): `on` leaves the per-cell bulk
-# (requests/steps/workload traces and profiler trace.json.gz) out of this checkout through git's
-# sparse checkout, keeping every config.json and metrics.json, which is all a resumable sweep
-# needs to skip finished cells.
+# (requests/steps/workload traces, profiler trace.json.gz, NVML samples) and the generated tables and
+# figures out of this checkout through git's sparse checkout, keeping every config.json and
+# metrics.json, which is all a resumable sweep needs to skip finished cells.
 # The same traces of cells not yet committed (unpacked between two device calls) are listed in
 # .git/info/exclude while `on` holds, so they stay here but do not travel either.
 # `off` brings everything back. Nothing is deleted from git or from disk. Run `off` before
@@ -12,7 +12,8 @@
 #   bash runners/gpu/slim_tree.sh on    # before a device call
 #   bash runners/gpu/slim_tree.sh off   # after it
 set -euo pipefail
-BULK=(requests.jsonl.gz steps.jsonl.gz workload.jsonl workload.jsonl.gz trace.json.gz)
+BULK=(requests.jsonl.gz steps.jsonl.gz workload.jsonl workload.jsonl.gz trace.json.gz nvml.csv)
+GENERATED=(results/figures results/tables)   # what `make reproduce` writes: no device command reads it
 EXCLUDE="$(git rev-parse --git-path info/exclude)"
 BEGIN="# >>> slim_tree.sh: untracked per-cell traces" END="# <<< slim_tree.sh"
 drop_exclude() {  # remove our block from .git/info/exclude, leave the user's lines alone
@@ -21,6 +22,7 @@ drop_exclude() {  # remove our block from .git/info/exclude, leave the user's li
 case "${1:-}" in
   on)
     sparse=('/*'); for f in "${BULK[@]}"; do sparse+=("!/results/raw/**/$f"); done
+    for d in "${GENERATED[@]}"; do sparse+=("!/$d/"); done
     git sparse-checkout set --no-cone "${sparse[@]}"
     drop_exclude; mkdir -p "$(dirname "$EXCLUDE")"
     { echo "$BEGIN"; for f in "${BULK[@]}"; do echo "/results/raw/**/$f"; done; echo "$END"; } >> "$EXCLUDE"
