@@ -375,3 +375,22 @@ def test_a_sweep_on_another_gpu_model_stops_before_any_cell(monkeypatch):
         check_gpu(rc)
     check_gpu(to_run_config(compose_cfg(["hardware=h200", "workload=synthetic", "hardware.gpu_name=''"])))
     check_gpu(to_run_config(compose_cfg(["hardware=cpu", "workload=synthetic"])))
+
+
+def test_the_h100_headline_runs_on_an_h100_only(monkeypatch):
+    # sweep=headline hardware=h100: accepted on the H100 its table was fitted on (h100's own table, not the H200's),
+    # refused on an H200 with the error that names the fix
+    import torch
+
+    from runners.run import check_gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for gpu, ok in (("NVIDIA H100 80GB HBM3", True), ("NVIDIA H200", False)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, g=gpu: g)
+        rc = to_run_config(compose_cfg(["sweep=headline", "hardware=h100", "workload.prefix_len=512"]))
+        assert rc.hardware.name == "h100" and {r["gpu"] for r in rc.hardware.decision_table} == {"NVIDIA H100 80GB HBM3"}
+        if ok:
+            check_gpu(rc)
+        else:
+            with pytest.raises(ConfigError, match=r"hardware.gpu_name.*'NVIDIA H100 80GB HBM3'.*'NVIDIA H200'.*calibrate"):
+                check_gpu(rc)

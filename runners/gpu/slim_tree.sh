@@ -10,6 +10,7 @@
 # committing new cells (git refuses to add paths outside a sparse checkout).
 #
 #   bash runners/gpu/slim_tree.sh on    # before a device call
+#   bash runners/gpu/slim_tree.sh bare  # before a call that reads no cell (SGLang wheel staging)
 #   bash runners/gpu/slim_tree.sh off   # after it
 set -euo pipefail
 BULK=(requests.jsonl.gz steps.jsonl.gz workload.jsonl workload.jsonl.gz trace.json.gz nvml.csv)
@@ -28,10 +29,14 @@ case "${1:-}" in
     { echo "$BEGIN"; for f in "${BULK[@]}"; do echo "/results/raw/**/$f"; done; echo "$END"; } >> "$EXCLUDE"
     echo "[slim_tree] on: $(git ls-files -t results/raw | grep -c '^S') raw files left out of the working tree," \
       "$(git ls-files --others --ignored --exclude-standard results/raw | wc -l) untracked ones kept from travelling" ;;
+  bare)   # a command that reads no cell (staging a wheel part, a new sweep of its own): results/ stays behind
+    git sparse-checkout set --no-cone '/*' '!/results/'
+    drop_exclude
+    echo "[slim_tree] bare: results/ left out of the working tree" ;;
   off)
     git sparse-checkout disable
     drop_exclude
     echo "[slim_tree] off: full working tree" ;;
   *)
-    echo "usage: bash runners/gpu/slim_tree.sh on|off" >&2; exit 2 ;;
+    echo "usage: bash runners/gpu/slim_tree.sh on|bare|off" >&2; exit 2 ;;
 esac
