@@ -38,12 +38,16 @@ from granikv.attention.batch import copy_from_host, host_i64
 from granikv.attention.plan import ClassPlan, StepPlan
 
 
+def host_range(name: str):
+    """A torch.profiler range ``name`` while the profiler records, else nothing (no cost outside a trace).
+    Eager calls only: a replayed CUDA graph carries no host range inside it."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+
 def prefix_mark():
-    """A ``prefix_attention`` profiler range around a prefix-attention call while torch.profiler records
-    (the GPU annotation analysis.distance_to_limit and analysis.profiler split a step's attention
-    by), else nothing. Eager calls only: a replayed CUDA graph carries no host range inside it."""
-    return torch.profiler.record_function("prefix_attention") if torch.autograd._profiler_enabled() \
-        else contextlib.nullcontext()
+    """A ``prefix_attention`` range around a prefix-attention call (the GPU annotation
+    analysis.distance_to_limit and analysis.profiler split a step's attention by)."""
+    return host_range("prefix_attention")
 
 
 def pow2(n: int) -> int:

@@ -49,6 +49,7 @@ from sglang.srt.runtime_context import get_parallel
 from granikv.attention.batch import DecodeBatch, to_device
 from granikv.attention.decode import DecodeAttention
 from granikv.attention.dispatch import Dispatcher
+from granikv.attention.gpu_paths import host_range
 from granikv.attention.policy import make_policy
 from granikv.sglang_plugin.path_stats import PathStats, StatsWriter, describe, load_hardware
 from granikv.sglang_plugin.settings import PluginSettings
@@ -121,7 +122,12 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
 
     # ---- plan (once per step, host) --------------------------------------------------------------
     def _plan(self, fb, raw: int) -> bool:
-        """Plan this decode step on our paths; False (and the reason counted) when it runs SGLang's."""
+        """Plan this decode step on our paths; False (and the reason counted) when it runs SGLang's.
+        Under torch.profiler (SGLang's /start_profile) the plan shows as the range ``granikv_plan``."""
+        with host_range("granikv_plan"):
+            return self._plan_step(fb, raw)
+
+    def _plan_step(self, fb, raw: int) -> bool:
         staged = staged_for(self._staged, raw)
         if staged is None:
             self._paged("staged_mismatch" if self._staged is not None else "no_prefix")
@@ -210,7 +216,8 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
         k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)           # [C, Hkv, D]
         v_buf = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         raw = self._raw_bs
-        o = self.decode.run(q3[:raw] if raw < q3.shape[0] else q3, k_buf, v_buf)   # [raw, Hq, D]
+        with host_range("granikv_attend"):
+            o = self.decode.run(q3[:raw] if raw < q3.shape[0] else q3, k_buf, v_buf)   # [raw, Hq, D]
         if raw < q3.shape[0]:
             full = torch.empty_like(q3)
             full[:raw] = o
