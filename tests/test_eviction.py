@@ -167,12 +167,11 @@ class IndexSide:
             return
         self.idx.extend(m, tokens, torch.cat((m.slots, tail)), slab=slab)
 
-    def match(self, tokens):
+    def lock(self, tokens):
         m = self.idx.match(tokens)
-        return m.node if m.length else None
-
-    def lock(self, node):
-        self.idx.lock(node)
+        if m.length:
+            self.idx.lock(m.node)
+        return [m.node] if m.length else []
 
     def unlock(self, node):
         self.idx.unlock(node)
@@ -222,12 +221,11 @@ class PluginSide:
         if slab is not None:
             self.c.hot.register(node, slab)
 
-    def match(self, tokens):
+    def lock(self, tokens):
         cached, node = self.c.match_prefix(tokens)
-        return node if len(cached) else None
-
-    def lock(self, node):
-        self.c.inc_lock_ref(node)
+        if len(cached):
+            self.c.inc_lock_ref(node)
+        return [node] if len(cached) else []
 
     def unlock(self, node):
         self.c.dec_lock_ref(node)
@@ -304,21 +302,18 @@ class TwoTreeMachine(RuleBasedStateMachine):
             best = cost if best is None else min(best, cost)
         return best
 
-    @rule(tokens=TOKENS, hot=st.booleans())
-    def insert(self, tokens, hot):
-        self.side.insert(tokens, hot)
-
     @rule(tokens=TOKENS)
     def lock(self, tokens):
-        node = self.side.match(tokens)
-        if node is not None:
-            self.side.lock(node)
-            self.held.append(node)
+        self.held += self.side.lock(tokens)
 
     @precondition(lambda self: self.held)
     @rule(i=st.integers(0, 100))
     def unlock(self, i):
         self.side.unlock(self.held.pop(i % len(self.held)))
+
+    @rule(tokens=TOKENS, hot=st.booleans())
+    def insert(self, tokens, hot):
+        self.side.insert(tokens, hot)
 
     @rule(n=st.integers(0, 30))
     def evict_cold(self, n):
@@ -348,15 +343,12 @@ class TwoTreeMachine(RuleBasedStateMachine):
     @rule(length=st.integers(1, 20))
     def evict_hot_extent(self, length):
         snap, pool = self._snap(), self.side.hot
-        trivial = pool.largest_free_extent >= length or length > pool.capacity
-        window = None if trivial else self._best_window(snap, length)
+        fits = pool.largest_free_extent >= length or length > pool.capacity
+        window = None if fits else self._best_window(snap, length)  # None: nothing may go
         freed = self.side.evict_hot_extent(length)
-        removed = self._removed(snap)
-        if window is None:
-            assert freed == 0 and not removed
-        else:
-            assert freed > 0 and pool.largest_free_extent >= length
-            assert max(self.side.tree.last_access(x) for x in removed) == window, "not the least recently used window"
+        newest = max((self.side.tree.last_access(x) for x in self._removed(snap)), default=None)
+        assert (freed > 0) == (window is not None) and newest == window, "not the least recently used window"
+        assert window is None or pool.largest_free_extent >= length
 
     @invariant()
     def consistent(self):
