@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from granikv.kv import eviction
 from granikv.sglang_plugin.hot_region import GONE_ATTR, RETIRED_ATTR, SLAB_ATTR, HotColdTree, HotRegion
 from granikv.sglang_plugin.settings import PluginSettings
 from test_sglang_plugin_model import ModelAllocator, ModelRadixCache, ModelReq
@@ -355,7 +356,7 @@ def test_the_core_refuses_to_evict_a_locked_node():
     r = ModelReq(toks(0, 5) + [1], prefix_len=5)
     prefill(c, r)
     with pytest.raises(AssertionError, match="locked"):
-        c.hot._drop_subtree(r.last_node)
+        eviction.drop_subtree(c.hot, r.last_node)
 
 
 @pytest.mark.parametrize("seed", range(6))

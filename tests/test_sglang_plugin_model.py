@@ -21,6 +21,7 @@ import itertools
 
 import torch
 
+from granikv.kv import eviction
 from granikv.sglang_plugin.hot_region import HotColdTree, HotRegion
 from granikv.sglang_plugin.settings import PluginSettings, shared_prefix_len
 
@@ -373,12 +374,7 @@ class ModelRadixCache:
 
     # -------------------------------------------------- checks
     def nodes(self):
-        out, stack = [], list(self.root_node.children.values())
-        while stack:
-            n = stack.pop()
-            out.append(n)
-            stack.extend(n.children.values())
-        return out
+        return eviction.subtree(self.root_node)[1:]
 
 
 def _common(a: tuple, b: tuple) -> int:

@@ -141,7 +141,7 @@ class HotPool:
 
     def eviction_window(self, length: int, evictable: Mapping[int, tuple]) -> list[int] | None:
         """The slabs to free so that one free extent holds ``length`` slots (the choice of
-        ``PrefixIndex.evict_hot_extent``, kept here so that any index over this pool can use it).
+        :func:`granikv.kv.eviction.evict_hot_extent`, kept here with the pool it tiles).
 
         ``evictable`` maps the start of each slab that may be evicted to ``(newest_access,
         tokens)``: the most recent use of what would be evicted with it, and how many tokens

@@ -1,13 +1,13 @@
 """Radix tree over token ids mapping cached tokens to KV slot locations (HOT slab or COLD ids)."""
 from __future__ import annotations
 
-import heapq
 import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+from granikv.kv import eviction
 from granikv.kv.cold_pool import ColdPool
 from granikv.kv.hot_pool import HotPool, Slab
 
@@ -184,65 +184,37 @@ class PrefixIndex:
             node = node.parent
 
     # ------------------------------------------------------------------ eviction
-    # The unit of eviction is a COLD node, or a HOT slab's whole group of nodes (a chain on one
-    # path, split by matches); a unit goes only with everything below it. ``lock_ref`` counts the
-    # locks of a node and of its descendants, so a unit whose top node has ``lock_ref == 0`` heads
-    # an entirely unlocked subtree: evicting that subtree is always possible.
+    # The units and the algorithm are granikv.kv.eviction's; this index is its Tree.
     def evictable_tokens(self, pool: str | None = None) -> int:
         """Cached tokens that eviction could free now: of both pools (``pool=None``), or of
         ``"hot"`` (whole slabs of unlocked groups) or ``"cold"``."""
         if pool is None:
             return sum(len(n) for n in self._nodes() if n.lock_ref == 0)
         _check_pool(pool)
-        if pool == "cold":
-            return sum(len(n) for n in self._nodes() if n.slab is None and n.lock_ref == 0)
-        return sum(n.slab.length for n in (next(iter(g)) for g in self._slab_nodes.values())
-                   if self._top(n).lock_ref == 0)
+        return eviction.evictable_tokens(self, self.root, pool)
 
     def evict(self, num_tokens: int, pool: str | None = None) -> int:
         """Free at least ``num_tokens`` slots of ``pool`` (``"hot"`` or ``"cold"``) from unlocked
         cached prefixes, least recently used first; returns the slots of ``pool`` freed.
 
         All or nothing: when fewer than ``num_tokens`` slots of ``pool`` are evictable, nothing
-        is evicted and 0 is returned. Units of the pool that are leaves go first, in LRU order;
-        a unit of the other pool is evicted only below a unit of ``pool`` that is evicted with
-        its whole subtree, once no leaf of ``pool`` is left (a COLD prefix under which a HOT
-        extension is cached, say). A HOT slab goes only whole, so more than ``num_tokens`` HOT
-        slots may be freed.
+        is evicted and 0 is returned. Units of the pool that are leaves go first, in LRU order
+        (a unit's use: its top node's); a unit of the other pool is evicted only below a unit of
+        ``pool`` that is evicted with its whole subtree, once no leaf of ``pool`` is left (a COLD
+        prefix under which a HOT extension is cached, say). A HOT slab goes only whole, so more
+        than ``num_tokens`` HOT slots may be freed.
 
-        ``pool=None``: the older any-pool LRU over leaves, as many tokens of either pool as it can
-        (returns tokens of both pools freed); it cannot make room in one pool on purpose.
+        ``pool=None``: the any-pool LRU over leaves, a unit ordered by its lowest node's use, as
+        many tokens of either pool as it can (returns tokens of both pools freed); it cannot make
+        room in one pool on purpose.
         """
         if num_tokens < 0:
             raise ValueError(f"PrefixIndex.evict: num_tokens must be >= 0, got {num_tokens}")
         if pool is None:
-            return self._evict_any(num_tokens)
+            return eviction.evict(self, self.root, num_tokens, None, self._nodes(), _lowest_use)
         _check_pool(pool)
-        if num_tokens == 0 or self.evictable_tokens(pool) < num_tokens:
-            return 0
-        heap = [(t.last_access, t.uid, t) for t in self._unit_tops() if self._in_pool(t, pool)
-                and t.lock_ref == 0 and self._is_leaf_unit(t)]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_tokens:
-            top = None
-            while heap:
-                _, _, t = heapq.heappop(heap)
-                if t.parent is not None and t.lock_ref == 0 and self._is_leaf_unit(t):
-                    top = t
-                    break
-            if top is None:  # no leaf of this pool left: the stalest unlocked subtree headed by one
-                top = self._stalest_blocked_unit(pool)
-                if top is None:
-                    break  # not reached: the evictable count above said there was enough
-            parent = top.parent
-            cold, hot = self._drop_subtree(top)
-            freed += cold if pool == "cold" else hot
-            if parent is not self.root:
-                t = self._top(parent)
-                if self._in_pool(t, pool) and t.lock_ref == 0 and self._is_leaf_unit(t):
-                    heapq.heappush(heap, (t.last_access, t.uid, t))
-        return freed
+        return eviction.evict(self, self.root, num_tokens, pool, self._nodes(), lambda t: (t.last_access, t.uid),
+                              all_or_nothing=True)
 
     def evict_hot_extent(self, length: int) -> int:
         """Evict unlocked HOT slabs (each with its subtree) until one free HOT extent holds
@@ -255,133 +227,35 @@ class PrefixIndex:
         of that window are evicted (and what is cached below them). Nothing is evicted when no
         window can hold ``length``.
         """
-        if not isinstance(length, int) or length <= 0:
-            raise ValueError(f"PrefixIndex.evict_hot_extent: length must be a positive int, got {length!r}")
-        pool = self.hot_pool
-        if pool.largest_free_extent >= length or length > pool.capacity:
-            return 0
-        info: dict[int, tuple[int, int]] = {}  # slab start -> (newest access, tokens) of an evictable slab
-        tops: dict[int, Node] = {}
-        for start, group in self._slab_nodes.items():
-            top = self._top(next(iter(group)))
-            if top.lock_ref == 0:
-                sub = self._subtree(top)
-                info[start] = (max(n.last_access for n in sub), sum(len(n) for n in sub))
-                tops[start] = top
-        window = pool.eviction_window(length, info)
-        if not window:
-            return 0
-        freed = 0
-        for start in window:
-            top = tops[start]
-            if top.parent is not None:  # not already gone below another slab of the window
-                freed += self._drop_subtree(top)[1]
-        assert pool.largest_free_extent >= length, "PrefixIndex.evict_hot_extent: the window did not free up"
-        return freed
+        holders = {start: next(iter(group)) for start, group in self._slab_nodes.items()}
+        return eviction.evict_hot_extent(self, self.hot_pool, holders, length)
 
-    def _evict_any(self, num_tokens: int) -> int:
-        """``evict(num_tokens)`` with no pool: LRU over the leaves of both pools."""
-        heap = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
-            if node.parent is None or node.children or node.lock_ref:
-                continue  # stale entry
-            if node.slab is None:
-                removed = [node]
-                self.cold_pool.free(node.slots)
-                freed += len(node)
-            else:
-                group = self._slab_nodes[node.slab.start]
-                if any(g.lock_ref for g in group) or any(c not in group for g in group for c in g.children.values()):
-                    continue  # the slab goes only whole; pushed again when its blockers go
-                removed = list(group)
-                del self._slab_nodes[node.slab.start]
-                self.hot_pool.free(node.slab)
-                freed += node.slab.length
-            for r in removed:
-                if r.parent is not None and r.parent.children.get(r.key[0]) is r:
-                    del r.parent.children[r.key[0]]
-            for r in removed:
-                self.cached_tokens -= len(r)
-                parent, r.parent = r.parent, None
-                if parent is None or parent is self.root or parent.parent is None:
-                    continue
-                if parent.slab is not None:  # a blocked slab may be free to go now
-                    for g in self._slab_nodes.get(parent.slab.start, ()):
-                        if not g.children and g.lock_ref == 0:
-                            heapq.heappush(heap, (g.last_access, id(g), g))
-                elif not parent.children and parent.lock_ref == 0:
-                    heapq.heappush(heap, (parent.last_access, id(parent), parent))
-        self.evicted_tokens += freed
-        return freed
-
-    # ------------------------------------------------------------------ eviction units
-    def _top(self, node: Node) -> Node:
-        """The top node of ``node``'s unit: itself (COLD), or the uppermost node of its slab."""
-        if node.slab is None:
-            return node
-        while node.parent is not None and node.parent.slab == node.slab:
-            node = node.parent
-        return node
-
-    def _unit_tops(self) -> list[Node]:
-        return [n for n in self._nodes() if n.slab is None or n.parent.slab != n.slab]
+    # ------------------------------------------------------------------ eviction.Tree
+    @staticmethod
+    def tokens(node: Node) -> int:
+        return len(node)
 
     @staticmethod
-    def _in_pool(top: Node, pool: str) -> bool:
-        return (top.slab is None) == (pool == "cold")
+    def last_access(node: Node) -> int:
+        return node.last_access
 
-    def _is_leaf_unit(self, top: Node) -> bool:
-        """No child outside the unit headed by ``top``."""
-        if top.slab is None:
-            return not top.children
-        return all(c.slab == top.slab for g in self._slab_nodes[top.slab.start] for c in g.children.values())
+    @staticmethod
+    def evicted(node: Node) -> bool:
+        return node.parent is None
 
-    def _subtree(self, top: Node) -> list[Node]:
-        out, stack = [], [top]
-        while stack:
-            n = stack.pop()
-            out.append(n)
-            stack.extend(n.children.values())
-        return out
-
-    def _stalest_blocked_unit(self, pool: str) -> Node | None:
-        """The unlocked unit of ``pool`` with other units below it whose subtree was used least
-        recently (then: the smallest subtree), or None."""
-        best, best_key = None, None
-        for t in self._unit_tops():
-            if t.lock_ref or not self._in_pool(t, pool) or self._is_leaf_unit(t):
-                continue
-            sub = self._subtree(t)
-            key = (max(n.last_access for n in sub), sum(len(n) for n in sub), t.uid)
-            if best_key is None or key < best_key:
-                best, best_key = t, key
-        return best
-
-    def _drop_subtree(self, top: Node) -> tuple[int, int]:
-        """Evict the unit headed by ``top`` and everything below it (all unlocked); returns the
-        (COLD, HOT) slots freed. COLD slots go back in one ``free`` call."""
-        if top.lock_ref:
-            raise AssertionError(f"PrefixIndex: evicting locked {top}")
-        sub = self._subtree(top)
-        cold = [n.slots for n in sub if n.slab is None]
-        slabs = {n.slab.start: n.slab for n in sub if n.slab is not None}
-        if cold:
-            self.cold_pool.free(cold[0] if len(cold) == 1 else torch.cat(cold))
-        hot = 0
-        for start, slab in slabs.items():
-            del self._slab_nodes[start]
+    def remove_subtree(self, top: Node, nodes: list[Node], slabs: list[Slab], cold: int, hot: int) -> None:
+        """Unlink ``top``'s subtree ``nodes``; their COLD slots go back in one ``free`` call."""
+        cold_slots = [n.slots for n in nodes if n.slab is None]
+        if cold_slots:
+            self.cold_pool.free(cold_slots[0] if len(cold_slots) == 1 else torch.cat(cold_slots))
+        for slab in slabs:
+            del self._slab_nodes[slab.start]
             self.hot_pool.free(slab)
-            hot += slab.length
         del top.parent.children[top.key[0]]
-        for n in sub:
+        for n in nodes:
             n.parent = None
-        ncold = sum(len(c) for c in cold)
-        self.cached_tokens -= ncold + hot
-        self.evicted_tokens += ncold + hot
-        return ncold, hot
+        self.cached_tokens -= cold + hot
+        self.evicted_tokens += cold + hot
 
     # ------------------------------------------------------------------ introspection
     def _nodes(self):
@@ -396,6 +270,17 @@ class PrefixIndex:
 
     def slab_of(self, node: Node) -> Slab | None:
         return node.slab
+
+
+def _lowest_use(top: Node) -> tuple[int, int]:
+    """The use of a unit's lowest node (the leaf the any-pool LRU finds it by)."""
+    n = top
+    while n.slab is not None:
+        below = next((c for c in n.children.values() if c.slab == n.slab), None)
+        if below is None:
+            break
+        n = below
+    return n.last_access, n.uid
 
 
 def _check_pool(pool) -> None:

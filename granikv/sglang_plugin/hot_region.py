@@ -10,15 +10,17 @@ Two parts:
 - :class:`HotColdTree`: admission and eviction over a radix tree of SGLang's ``TreeNode`` shape
   (the node protocol below), where a node is HOT when its slots are one slab's and COLD when
   they are the allocator's. Admission is HOT-first: a free extent, else unlocked slabs evicted
-  whole to make one (``HotPool.eviction_window``, the rule ``granikv.kv.PrefixIndex`` uses), else
-  the prefix stays COLD (the paged fallback). A slab whose node is locked is never evicted or
-  moved. COLD eviction (the allocator's shortfall) takes COLD leaves only, LRU first; a COLD
-  node blocked by an unlocked HOT node below it goes with its whole subtree.
+  whole to make one (``HotPool.eviction_window``), else the prefix stays COLD (the paged
+  fallback). A slab whose node is locked is never evicted or moved. COLD eviction (the
+  allocator's shortfall) takes COLD leaves only, LRU first; a COLD node blocked by an unlocked
+  HOT node below it goes with its whole subtree. Both evictions are :mod:`granikv.kv.eviction`'s,
+  the algorithm ``granikv.kv.PrefixIndex`` uses; the tree is its ``Tree``.
 
 Node protocol (what ``sglang.srt.mem_cache.radix_cache.TreeNode`` has): ``parent`` (None for the
 root), ``children`` (a dict), ``lock_ref`` (int; a lock counts on the node and on every ancestor,
 so ``lock_ref == 0`` means the whole subtree is unlocked), ``value`` (1-D int64 tensor of slot
-ids, one per token), ``last_access_time``. HOT nodes carry the attribute ``granikv_slab``
+ids, one per token), ``last_access_time``; an evicted node keeps its parent link and carries
+:data:`GONE_ATTR`. HOT nodes carry the attribute ``granikv_slab``
 (:data:`SLAB_ATTR`), set by :meth:`HotColdTree.register` and copied onto the upper half of a
 split by :meth:`HotColdTree.on_split`.
 
@@ -32,13 +34,13 @@ back to the allocator.
 """
 from __future__ import annotations
 
-import heapq
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 
+from granikv.kv import eviction
 from granikv.kv.hot_pool import HotPool, Slab
 from granikv.kv.split_policy import SplitPolicy
 
@@ -261,7 +263,6 @@ class HotColdTree:
         self.retired_tokens = 0  # old COLD slots of promoted nodes, not yet given back
         self.evicted_hot_tokens = 0
         self.evicted_cold_tokens = 0
-        self._seq = itertools.count()
 
     # ------------------------------------------------------------------ nodes
     @staticmethod
@@ -316,22 +317,6 @@ class HotColdTree:
             n = n.parent
         path.reverse()
         return path if sum(len(p.value) for p in path) == cached else None
-
-    def top(self, node):
-        """The uppermost node of ``node``'s slab (the slab's nodes are one chain)."""
-        slab = self.slab_of(node)
-        while node.parent is not None and self.slab_of(node.parent) == slab:
-            node = node.parent
-        return node
-
-    @staticmethod
-    def subtree(top) -> list:
-        out, stack = [], [top]
-        while stack:
-            n = stack.pop()
-            out.append(n)
-            stack.extend(n.children.values())
-        return out
 
     def _path_hot(self, node, ref: int) -> int:
         n, tokens = node, 0
@@ -495,51 +480,10 @@ class HotColdTree:
         return AdmitResult("hot", cached, slab, new, src[cached:], dst[cached:], promoted=cached)
 
     # ------------------------------------------------------------------ eviction
-    def _drop_subtree(self, top) -> tuple[int, int]:
-        """Evict ``top`` and everything below it (all unlocked): COLD slots back to the
-        allocator, slabs back to the region whole. Returns (COLD, HOT) slots freed."""
-        if top.lock_ref:
-            raise AssertionError(f"HotColdTree: evicting a locked node (lock_ref={top.lock_ref})")
-        order = self.subtree(top)[::-1]  # children before parents: each is a leaf when deleted
-        slabs: dict[int, Slab] = {}
-        cold = 0
-        for node in order:
-            slab = self.slab_of(node)
-            if slab is None:
-                self._free_cold(node.value)
-                cold += len(node.value)
-            else:
-                slabs[slab.start] = slab
-            self._delete_leaf(node)
-            setattr(node, GONE_ATTR, True)  # SGLang keeps a deleted node's parent link: mark it
-        hot = 0
-        for start, slab in slabs.items():
-            del self._bottom[start]
-            self.region.free(slab)
-            hot += slab.length
-        self.evicted_cold_tokens += cold
-        self.evicted_hot_tokens += hot
-        return cold, hot
-
     def evict_hot_extent(self, length: int) -> int:
         """Evict unlocked slabs (each with its subtree) until one free extent holds ``length``
         slots; returns the HOT slots freed (0: an extent already fits, or none can be made)."""
-        info: dict[int, tuple] = {}
-        tops: dict[int, Any] = {}
-        for start, bottom in self._bottom.items():
-            top = self.top(bottom)
-            if top.lock_ref == 0:
-                sub = self.subtree(top)
-                info[start] = (max(n.last_access_time for n in sub), sum(len(n.value) for n in sub))
-                tops[start] = top
-        window = self.region.pool.eviction_window(length, info)
-        if not window:
-            return 0
-        freed = 0
-        for start in window:
-            if start in self._bottom:  # not already gone below another slab of the window
-                freed += self._drop_subtree(tops[start])[1]
-        return freed
+        return eviction.evict_hot_extent(self, self.region.pool, self._bottom, length)
 
     def evict_cold(self, num_tokens: int, leaves: Iterable, root,
                    priority: Callable[[Any], Any] = lambda n: n.last_access_time) -> int:
@@ -552,52 +496,35 @@ class HotColdTree:
         leaf is left, the unlocked COLD node with children whose subtree was used least recently
         goes with its subtree (its slabs go whole): an unlocked COLD node is never out of reach.
         """
-        heap = [(priority(n), next(self._seq), n) for n in leaves
-                if self.slab_of(n) is None and n.lock_ref == 0 and not n.children and n.parent is not None]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_tokens:
-            node = None
-            while heap:
-                _, _, n = heapq.heappop(heap)
-                if self._evictable_cold_leaf(n, root):
-                    node = n
-                    break
-            if node is None:
-                node = self._stalest_blocked_cold(root)
-                if node is None:
-                    break
-            parent = node.parent
-            freed += self._drop_subtree(node)[0]
-            if parent is not root and self._evictable_cold_leaf(parent, root):
-                heapq.heappush(heap, (priority(parent), next(self._seq), parent))
-        return freed
-
-    def _evictable_cold_leaf(self, n, root) -> bool:
-        return (n is not root and n.parent is not None and n.lock_ref == 0 and not n.children
-                and self.slab_of(n) is None and not getattr(n, GONE_ATTR, False))
-
-    def _stalest_blocked_cold(self, root):
-        best, best_key = None, None
-        stack = list(root.children.values())
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            if n.lock_ref or not n.children or self.slab_of(n) is not None:
-                continue
-            sub = self.subtree(n)
-            key = (max(m.last_access_time for m in sub), sum(len(m.value) for m in sub))
-            if best_key is None or key < best_key:
-                best, best_key = n, key
-        return best
+        return eviction.evict(self, root, num_tokens, "cold", leaves, priority)
 
     def cold_evictable(self, root) -> int:
         """COLD tokens in unlocked nodes (for checks: the index keeps this as a counter)."""
-        total, stack = 0, list(root.children.values())
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            if n.lock_ref == 0 and self.slab_of(n) is None:
-                total += len(n.value)
-        return total
+        return eviction.evictable_tokens(self, root, "cold")
 
+    # ------------------------------------------------------------------ eviction.Tree
+    @staticmethod
+    def tokens(node) -> int:
+        return len(node.value)
+
+    @staticmethod
+    def last_access(node):
+        return node.last_access_time
+
+    @staticmethod
+    def evicted(node) -> bool:
+        return node.parent is None or getattr(node, GONE_ATTR, False)
+
+    def remove_subtree(self, top, nodes: list, slabs: list[Slab], cold: int, hot: int) -> None:
+        """Delete ``nodes`` children first (each is a leaf when ``delete_leaf`` takes it), each
+        COLD one's slots back to the allocator on the way; then the slabs back to the region."""
+        for node in reversed(nodes):
+            if self.slab_of(node) is None:
+                self._free_cold(node.value)
+            self._delete_leaf(node)
+            setattr(node, GONE_ATTR, True)  # SGLang keeps a deleted node's parent link: mark it
+        for slab in slabs:
+            del self._bottom[slab.start]
+            self.region.free(slab)
+        self.evicted_cold_tokens += cold
+        self.evicted_hot_tokens += hot
