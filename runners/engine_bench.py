@@ -4,6 +4,11 @@
         --output-len 128 --out results/raw/engine_bench
     torchrun --nproc_per_node=2 -m runners.engine_bench --model qwen25_14b ...   # TP = world size
 
+``--model``, ``--hardware`` and each of ``--systems`` name options of conf/ (``conf/model/<name>.yaml``, ...):
+each system's cell is conf/config.yaml composed by Hydra with them, the hardware flags
+(``hardware.kv_budget_tokens``, ``hardware.cuda_graph_max_bs``) and the bench's synthetic burst as
+``workload.*``; the systems are those our engine serves (``system.engine=granikv``).
+
 For each system: a warm-up pass of the same workload (FlashInfer JIT, CUDA-graph capture, and a
 logit probe of the first decode steps), a measured pass (TTFT / TPOT / ITL / E2E, throughput,
 dispatch trace), and a short profiled pass (torch.profiler) from which the share of each decode

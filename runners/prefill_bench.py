@@ -3,6 +3,10 @@
     python -m runners.prefill_bench --model qwen25_14b --hardware h200 --out results/raw/prefill_host
     torchrun --nproc_per_node=2 -m runners.prefill_bench --model qwen25_14b --hardware h200 ...   # TP = world size
 
+``--model`` and ``--hardware`` name options of conf/; the cell is conf/config.yaml composed by Hydra
+with them, ``system=sglang_default`` and the hardware flags (``hardware.kv_budget_tokens``,
+``hardware.allreduce``).
+
 The headline's prefill steps (ShareGPT suffixes, 16-2,000 new tokens) run eagerly, as SGLang's
 extend batches do. This bench times them in isolation, for each ``n`` in ``--tokens`` (one request,
 no cached prefix; ``--reps`` timed runs after ``--warmup`` untimed ones, ranks aligned before each):
