@@ -5,10 +5,16 @@ an error that names the key and the fix. YAML under conf/ is validated against t
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
 
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"   # the Hydra config tree every runner composes
 SYSTEMS = ("sglang_default", "sglang_cascade", "hydragen", "granikv")
+# settings of the granikv system's parts, run by our engine (conf/system/<name>.yaml each)
+ABLATIONS = ("granikv_dense_only", "granikv_cascade_only", "granikv_paged_only", "granikv_no_hot", "granikv_dynamic")
 ENGINES = ("granikv", "sglang")   # who serves a cell: our compact engine, or a real SGLang server
 BACKENDS = ("paged", "cascade", "hydragen", "granikv")
 # the plugin's SGLang attention backends (granikv.sglang_plugin) -> the system.backend each runs
@@ -25,6 +31,31 @@ ARRIVALS = ("burst", "poisson", "gamma")
 def _need(cond: bool, key: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"config error at `{key}`: {msg}")
+
+
+def _fraction(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v < 1.0
+
+
+def check_split(s: Any, key: Callable[[str], str]) -> None:
+    """The checks of the settings SystemConfig shares with the SGLang plugin (granikv.sglang_plugin.settings):
+    the HOT/COLD split and the GPU paths' choices. ``key(field)`` names a field in an error
+    (``system.hot_fraction`` for a config, ``GRANIKV_HOT_FRACTION`` for the plugin's environment)."""
+    _need(s.cascade_impl in CASCADE_IMPLS, key("cascade_impl"), f"'{s.cascade_impl}' not in {CASCADE_IMPLS}")
+    _need(s.decode_plan in DECODE_PLANS, key("decode_plan"), f"'{s.decode_plan}' not in {DECODE_PLANS}")
+    _need(_fraction(s.hot_fraction), key("hot_fraction"), f"must be in [0, 1), got {s.hot_fraction!r}")
+    _need(s.hot_split in ("static", "dynamic"), key("hot_split"),
+          f"'{s.hot_split}' not in ('static', 'dynamic'); static = HOT fixed at hot_fraction")
+    for k in ("hot_min_fraction", "hot_max_fraction", "cold_watermark"):
+        v = getattr(s, k)
+        _need(_fraction(v), key(k), f"must be a number in [0, 1), got {v!r}")
+    if s.hot_split == "dynamic":
+        _need(s.hot_min_fraction <= s.hot_fraction, key("hot_min_fraction"),
+              f"{s.hot_min_fraction} is above hot_fraction={s.hot_fraction} (the split starts at "
+              "hot_fraction); lower hot_min_fraction or raise hot_fraction")
+        _need(s.hot_fraction <= s.hot_max_fraction, key("hot_max_fraction"),
+              f"{s.hot_max_fraction} is below hot_fraction={s.hot_fraction} (the split starts at "
+              "hot_fraction); raise hot_max_fraction or lower hot_fraction")
 
 
 @dataclass
@@ -152,10 +183,9 @@ class SystemConfig:
             _need(self.server.radix_cache_backend == "granikv" or self.hot_fraction == 0.0, "system.hot_fraction",
                   "a HOT region in a server needs system.server.radix_cache_backend=granikv; set hot_fraction=0")
         _need(self.backend in BACKENDS, "system.backend", f"'{self.backend}' not in {BACKENDS}")
-        _need(self.cascade_impl in CASCADE_IMPLS, "system.cascade_impl", f"'{self.cascade_impl}' not in {CASCADE_IMPLS}")
+        check_split(self, lambda k: f"system.{k}")
         _need(self.cascade_impl == "multilevel" or self.backend == "cascade", "system.cascade_impl",
               f"'{self.cascade_impl}' applies to backend=cascade only (this system's backend is '{self.backend}')")
-        _need(self.decode_plan in DECODE_PLANS, "system.decode_plan", f"'{self.decode_plan}' not in {DECODE_PLANS}")
         _need(self.decode_plan == "flashinfer" or self.server is None or self.server.attention_backend in PLUGIN_ATTENTION,
               "system.decode_plan",
               "'fast' applies to our engine or to a granikv plugin server (system.server.attention_backend "
@@ -166,24 +196,11 @@ class SystemConfig:
               "system.dense_kernel", f"'{self.dense_kernel}' applies to backend=granikv in our engine (this system: "
               f"engine={self.engine}, backend={self.backend}); set dense_kernel=flashinfer")
         _need(self.dispatch in DISPATCH, "system.dispatch", f"'{self.dispatch}' not in {DISPATCH}")
-        _need(0.0 <= self.hot_fraction < 1.0, "system.hot_fraction", "must be in [0, 1)")
-        _need(self.hot_split in ("static", "dynamic"), "system.hot_split",
-              f"'{self.hot_split}' not in ('static', 'dynamic'); static = HOT fixed at hot_fraction")
-        for k in ("hot_min_fraction", "hot_max_fraction", "cold_watermark"):
-            v = getattr(self, k)
-            _need(isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v < 1.0, f"system.{k}",
-                  f"must be a number in [0, 1), got {v!r}")
         if self.hot_split == "dynamic":
             plugin_cache = self.server is not None and self.server.radix_cache_backend == "granikv"
             _need(self.backend == "granikv" and (self.engine == "granikv" or plugin_cache), "system.hot_split",
                   f"dynamic needs backend=granikv in our engine or in a server with the granikv radix cache "
                   f"(this system: engine={self.engine}, backend={self.backend}); set hot_split=static")
-            _need(self.hot_min_fraction <= self.hot_fraction, "system.hot_min_fraction",
-                  f"{self.hot_min_fraction} is above hot_fraction={self.hot_fraction} (the split starts at "
-                  "hot_fraction); lower hot_min_fraction or raise hot_fraction")
-            _need(self.hot_fraction <= self.hot_max_fraction, "system.hot_max_fraction",
-                  f"{self.hot_max_fraction} is below hot_fraction={self.hot_fraction} (the split starts at "
-                  "hot_fraction); raise hot_max_fraction or lower hot_fraction")
         _need(self.tensor_core_decode in ("auto", "on", "off"), "system.tensor_core_decode", "auto | on | off")
 
 
@@ -332,3 +349,54 @@ def to_run_config(cfg: Any) -> RunConfig:
     keep = {k: cfg[k] for k in cfg if k not in ("sweep", "launcher", "hydra")}
     merged = OmegaConf.merge(OmegaConf.structured(RunConfig), keep)
     return OmegaConf.to_object(merged)
+
+
+def options(group: str) -> list[str]:
+    """The options of a config group: the names of ``conf/<group>/*.yaml``."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def check_option(group: str, name: str, key: str) -> None:
+    """Fail, naming ``key`` (a config key or a runner's flag) and the choices, when ``conf/<group>/<name>.yaml``
+    does not exist."""
+    _need(name in options(group), key, f"unknown {group} '{name}' (no conf/{group}/{name}.yaml); "
+          f"choose one of {options(group)}")
+
+
+@lru_cache(maxsize=256)
+def _composed(config_name: str, overrides: tuple[str, ...]) -> Any:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    register()
+    outer = GlobalHydra.instance().hydra   # a Hydra app of this process (runners.run), set aside meanwhile
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return hydra_compose(config_name, overrides=list(overrides))
+    except HydraException as e:
+        raise ValueError(f"config error in {list(overrides)}: {e}") from e
+    finally:
+        if outer is not None:
+            GlobalHydra.instance().clear()
+            GlobalHydra.instance().initialize(outer)
+
+
+def compose(overrides: Sequence[str] = (), config_name: str = "config") -> Any:
+    """``conf/<config_name>.yaml`` composed by Hydra with ``overrides`` (``model=llama3_8b``,
+    ``hardware.kv_budget_tokens=2048``): the DictConfig a ``@hydra.main`` runner gets, for runners
+    that take their own flags. A composition error (an unknown option or key) is a ValueError."""
+    return copy.deepcopy(_composed(config_name, tuple(overrides)))
+
+
+def run_config(overrides: Sequence[str] = ()) -> RunConfig:
+    """The RunConfig of a cell: ``conf/config.yaml`` composed with ``overrides`` (runs every check)."""
+    return to_run_config(compose(overrides))
+
+
+def system_config(name: str) -> SystemConfig:
+    """The preset ``conf/system/<name>.yaml`` (a fresh copy)."""
+    check_option("system", name, "system.name")
+    return run_config([f"system={name}"]).system

@@ -4,6 +4,11 @@
         --output-len 128 --out results/raw/engine_bench
     torchrun --nproc_per_node=2 -m runners.engine_bench --model qwen25_14b ...   # TP = world size
 
+``--model``, ``--hardware`` and each of ``--systems`` name options of conf/ (``conf/model/<name>.yaml``, ...):
+each system's cell is conf/config.yaml composed by Hydra with them, the hardware flags
+(``hardware.kv_budget_tokens``, ``hardware.cuda_graph_max_bs``) and the bench's synthetic burst as
+``workload.*``; the systems are those our engine serves (``system.engine=granikv``).
+
 For each system: a warm-up pass of the same workload (FlashInfer JIT, CUDA-graph capture, and a
 logit probe of the first decode steps), a measured pass (TTFT / TPOT / ITL / E2E, throughput,
 dispatch trace), and a short profiled pass (torch.profiler) from which the share of each decode
@@ -27,42 +32,26 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
 from granikv import metrics as metrics_mod
 from granikv import rawio
-from granikv.config import HardwareConfig, ModelConfig, RunConfig, WorkloadConfig
+from granikv.config import RunConfig, check_option, run_config
 from granikv.engine.engine import Engine
 from granikv.engine.runner import LogitProbe
-from granikv.engine.systems import system_config
 from granikv.request import Request
 from runners.run import _engine_stats
 from runners.run import init_tp as init_process_group
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def _conf(group: str, name: str, cls):
-    """``conf/<group>/<name>.yaml`` (the files runners.run composes) as ``cls``; unknown names fail here."""
-    path = ROOT / "conf" / group / f"{name}.yaml"
-    if not path.exists():
-        have = sorted(p.stem for p in path.parent.glob("*.yaml") if not p.stem.endswith("_schema"))
-        raise ValueError(f"--{group}: unknown {group} '{name}' (no conf/{group}/{name}.yaml; have {have})")
-    d = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    d.pop("defaults", None)
-    try:
-        return cls(**d)
-    except TypeError as e:
-        raise ValueError(f"conf/{group}/{name}.yaml: {e}") from e
-
-
-def load_model(name: str) -> ModelConfig:
-    return _conf("model", name, ModelConfig)
-
-
-def load_hardware(name: str, overrides: dict) -> HardwareConfig:
-    hw = _conf("hardware", name, HardwareConfig)
-    return dataclasses.replace(hw, **{k: v for k, v in overrides.items() if v is not None})
+def cell_config(model: str, hardware: str, system: str, overrides: list[str]) -> RunConfig:
+    """The RunConfig of a bench cell: conf/ composed by Hydra (``model=``, ``hardware=``, ``system=``
+    and ``overrides``, e.g. ``hardware.kv_budget_tokens=2048``), with TP = the torchrun world size.
+    A flag that names no option fails here, naming the flag."""
+    for flag, group, name in (("--model", "model", model), ("--hardware", "hardware", hardware),
+                              ("--systems", "system", system)):
+        check_option(group, name, flag)
+    tp = int(os.environ.get("WORLD_SIZE", "1"))
+    return run_config([f"model={model}", f"hardware={hardware}", f"system={system}", f"tp={tp}", *overrides])
 
 
 def burst(seed: int, vocab: int, prefix_len: int, batch: int, suffix_len: int, output_len: int) -> list[Request]:
@@ -163,12 +152,11 @@ def say(msg: str) -> None:
         print(msg, flush=True)
 
 
-def init_tp(model: ModelConfig, hw: HardwareConfig) -> int:
-    """TP size = the torchrun world size (1 without torchrun); joins the process group through
-    runners.run.init_tp (nccl on GPU, gloo on CPU)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    init_process_group(RunConfig(model=model, system=system_config("sglang_default"), hardware=hw, tp=world))
-    return world
+def init_tp(cfg: RunConfig) -> int:
+    """Joins the process group of ``cfg.tp`` ranks (the torchrun world size) through runners.run.init_tp
+    (nccl on GPU, gloo on CPU); returns the TP size."""
+    init_process_group(cfg)
+    return cfg.tp
 
 
 def clear_cell(cell: Path) -> None:
@@ -179,13 +167,20 @@ def clear_cell(cell: Path) -> None:
             (cell / stale).unlink(missing_ok=True)
 
 
-def bench_system(name: str, args, model: ModelConfig, hw: HardwareConfig, out: Path, prov: dict) -> dict:
+def bench_overrides(args) -> list[str]:
+    """The bench's flags as overrides of conf/: its hardware limits, and the workload it serves
+    (burst(): one shared prefix, B requests, recorded in each cell's config.json)."""
+    hw = [f"hardware.{k}={v}" for k, v in (("kv_budget_tokens", args.kv_budget_tokens),
+                                            ("cuda_graph_max_bs", args.cuda_graph_max_bs)) if v is not None]
+    return [*hw, "workload=synthetic", "workload.arrival=burst", f"workload.prefix_len={args.prefix_len}",
+            f"workload.batch={args.batch}", f"workload.suffix_len={args.suffix_len}",
+            f"workload.output_len={args.output_len}", f"seed={args.seed}", "sweep_name=engine_bench"]
+
+
+def bench_system(name: str, args, out: Path, prov: dict) -> dict:
     """Warm-up, measured and profiled passes of one system; ``prov``: provenance taken before the run."""
-    # the workload this bench serves (burst(): one shared prefix, B requests), recorded in config.json
-    wl = WorkloadConfig(kind="synthetic", arrival="burst", prefix_len=args.prefix_len, batch=args.batch,
-                        suffix_len=args.suffix_len, output_len=args.output_len)
-    cfg = RunConfig(model=model, system=system_config(name), hardware=hw, workload=wl, seed=args.seed,
-                    sweep_name="engine_bench", tp=args.tp)
+    cfg = cell_config(args.model, args.hardware, name, bench_overrides(args))
+    model = cfg.model
     t = time.perf_counter()
     engine = Engine(cfg)
     build_s = time.perf_counter() - t
@@ -253,15 +248,16 @@ def main(argv=None) -> Path:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/raw/engine_bench")
     args = ap.parse_args(argv)
-    model = load_model(args.model)
-    hw = load_hardware(args.hardware, {"kv_budget_tokens": args.kv_budget_tokens,
-                                       "cuda_graph_max_bs": args.cuda_graph_max_bs})
-    args.tp = init_tp(model, hw)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    for s in systems:
-        system_config(s)  # unknown names fail before any work
+    for s in systems:   # unknown names, and systems served by a real SGLang server, fail before any work
+        if cell_config(args.model, args.hardware, s, bench_overrides(args)).system.engine != "granikv":
+            raise ValueError(f"--systems: '{s}' runs a real SGLang server (system.engine=sglang); this bench "
+                             f"serves with our engine: use python -m runners.run system={s}")
     if "sglang_default" not in systems:
         raise ValueError("--systems must include sglang_default (the numerics baseline)")
+    base = cell_config(args.model, args.hardware, "sglang_default", bench_overrides(args))
+    hw = base.hardware
+    args.tp = init_tp(base)
     out = Path(args.out)
     if hw.device == "cuda" and not hw.decision_table:
         say("NOTE: hardware has no decision_table: granikv dispatches by the paper's rule (Meff >= 1024 -> dense)")
@@ -271,7 +267,7 @@ def main(argv=None) -> Path:
         clear_cell(out / s)
         prov = rawio.provenance()  # this cell's start
         try:
-            got[s] = bench_system(s, args, model, hw, out, prov)
+            got[s] = bench_system(s, args, out, prov)
         except Exception as e:  # noqa: BLE001 - one system's failure must not lose the others
             import traceback
 

@@ -38,20 +38,16 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 TOL = 0.05
 N_IDS = 64
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hcompose, initialize_config_dir
-
-    from granikv.config import register, to_run_config
+    """The cell's RunConfig (conf/ composed with ``overrides``), B as the concurrency cap (runners.run.resolve)."""
+    from granikv.config import run_config
     from runners.run import resolve
 
-    register()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return resolve(to_run_config(hcompose("config", overrides=overrides)))
+    return resolve(run_config(overrides))
 
 
 def traffic(prefix_len: int, batch: int, vocab: int, seed: int = 0) -> tuple[list[int], list[list[int]], list[int]]:

@@ -3,6 +3,10 @@
     python -m runners.prefill_bench --model qwen25_14b --hardware h200 --out results/raw/prefill_host
     torchrun --nproc_per_node=2 -m runners.prefill_bench --model qwen25_14b --hardware h200 ...   # TP = world size
 
+``--model`` and ``--hardware`` name options of conf/; the cell is conf/config.yaml composed by Hydra
+with them, ``system=sglang_default`` and the hardware flags (``hardware.kv_budget_tokens``,
+``hardware.allreduce``).
+
 The headline's prefill steps (ShareGPT suffixes, 16-2,000 new tokens) run eagerly, as SGLang's
 extend batches do. This bench times them in isolation, for each ``n`` in ``--tokens`` (one request,
 no cached prefix; ``--reps`` timed runs after ``--warmup`` untimed ones, ranks aligned before each):
@@ -38,13 +42,11 @@ import torch
 import torch.distributed as dist
 
 from granikv import rawio
-from granikv.config import RunConfig
 from granikv.engine.engine import Engine
 from granikv.engine.runner import _WriteThen
 from granikv.engine.scheduler import PrefillChunk, Seq
-from granikv.engine.systems import system_config
 from granikv.request import Request
-from runners.engine_bench import init_tp, load_hardware, load_model
+from runners.engine_bench import cell_config, init_tp
 
 FILE = "prefill_host.json"
 
@@ -231,11 +233,12 @@ def main(argv=None) -> Path:
         raise SystemExit(f"--tokens {args.tokens!r}: give at least one count >= 1")
     if args.reps < 1 or args.warmup < 0:
         raise SystemExit("--reps must be >= 1 and --warmup >= 0")
-    model = load_model(args.model)
-    hw = load_hardware(args.hardware, {"kv_budget_tokens": args.kv_budget_tokens, "allreduce": args.allreduce})
-    tp = init_tp(model, hw)
-    cfg = RunConfig(model=model, system=system_config("sglang_default"), hardware=hw, seed=args.seed,
-                    sweep_name="prefill_host", tp=tp)
+    hw_flags = [f"hardware.allreduce={args.allreduce}"] + (
+        [f"hardware.kv_budget_tokens={args.kv_budget_tokens}"] if args.kv_budget_tokens is not None else [])
+    cfg = cell_config(args.model, args.hardware, "sglang_default", [*hw_flags, f"seed={args.seed}",
+                                                                     "sweep_name=prefill_host"])
+    model, hw = cfg.model, cfg.hardware
+    tp = init_tp(cfg)
     prov = rawio.provenance()
     engine = Engine(cfg)
     rows = []

@@ -76,7 +76,7 @@ def sched_trace(hot_fraction: float, cap: int, k: int, n: int, max_running: int,
 def engine_trace(system: SystemConfig | None = None) -> dict:
     """A tiny fp32 engine over a burst with room for about two prefixes (evictions, COLD fallback)."""
     from granikv.engine.engine import Engine
-    from granikv.engine.systems import system_config
+    from granikv.config import system_config
 
     rng = random.Random(11)
     prefixes = [[rng.randrange(512) for _ in range(rng.randrange(70, 90))] for _ in range(4)]

@@ -380,7 +380,7 @@ def test_plan_of_a_guarded_paged_step_is_the_paged_baselines():
 def test_engine_decides_eager_steps_with_the_eager_rules():
     from granikv.config import HardwareConfig, ModelConfig, RunConfig
     from granikv.engine.engine import Engine
-    from granikv.engine.systems import system_config
+    from granikv.config import system_config
     from granikv.request import Request
 
     tiny = dict(hidden_size=64, num_layers=1, num_heads=16, num_kv_heads=4, head_dim=16, intermediate_size=64,

@@ -16,9 +16,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from granikv.config import HardwareConfig, ModelConfig, RunConfig
+from granikv.config import ABLATIONS, SYSTEMS, HardwareConfig, ModelConfig, RunConfig, system_config
 from granikv.engine.engine import Engine
-from granikv.engine.systems import ABLATIONS, SYSTEMS, system_config
 from granikv.request import Request
 
 pytestmark = pytest.mark.filterwarnings("ignore:no decision-table rules:RuntimeWarning")

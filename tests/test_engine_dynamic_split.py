@@ -11,10 +11,9 @@ import pytest
 import torch
 
 import split_trace
-from granikv.config import HardwareConfig, ModelConfig, RunConfig, SystemConfig
+from granikv.config import HardwareConfig, ModelConfig, RunConfig, SystemConfig, system_config
 from granikv.engine.engine import Engine
 from granikv.engine.scheduler import Scheduler, Seq, Storage, check_fits
-from granikv.engine.systems import system_config
 from granikv.kv import KVCache, SplitPolicy
 from granikv.request import Request
 

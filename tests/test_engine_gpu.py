@@ -14,11 +14,10 @@ import pytest
 import torch
 
 from attn_util import flashinfer_available
-from granikv.config import HardwareConfig, ModelConfig, RunConfig
+from granikv.config import SYSTEMS, HardwareConfig, ModelConfig, RunConfig, system_config
 from granikv.engine.engine import Engine
 from granikv.engine.model import generate_reference
 from granikv.engine.runner import LogitProbe
-from granikv.engine.systems import SYSTEMS, system_config
 from granikv.request import Request
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:no decision-table rules:RuntimeWarning")]

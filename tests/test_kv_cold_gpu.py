@@ -88,7 +88,7 @@ def test_gpu_engine_runs_with_cold_free_checks(monkeypatch, checks):
     double free on the engine's pool is caught."""
     from granikv.config import HardwareConfig, ModelConfig, RunConfig
     from granikv.engine.engine import Engine
-    from granikv.engine.systems import system_config
+    from granikv.config import system_config
     from granikv.request import Request
 
     monkeypatch.setitem(cold_pool_mod.DEFAULT_CHECKS, "cuda", checks)

@@ -178,7 +178,7 @@ def test_engine_multiprefix_churn_keeps_new_prefixes_hot():
     where the window chosen kept its slab), and the tokens still equal the no-cache reference."""
     from granikv.config import HardwareConfig, ModelConfig, RunConfig
     from granikv.engine.engine import Engine
-    from granikv.engine.systems import system_config
+    from granikv.config import system_config
     from granikv.request import Request
 
     tiny = dict(hidden_size=64, num_layers=2, num_heads=16, num_kv_heads=4, head_dim=16, intermediate_size=128,

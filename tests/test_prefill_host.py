@@ -102,12 +102,9 @@ def test_expected_row_filled_when_measured(out, tmp_path, monkeypatch):
 def test_decode_check_serves_both_ways_and_restores_the_one_shot_path():
     """decode_check's mechanics on CPU (TP=1, so both passes take the same path and must agree):
     it runs the burst twice, restores the staging buffer, and leaves no captured graph behind."""
-    from granikv.config import RunConfig
     from granikv.engine.engine import Engine
-    from granikv.engine.systems import system_config
-    from runners.engine_bench import load_hardware, load_model
-    engine = Engine(RunConfig(model=load_model("tiny"), system=system_config("sglang_default"),
-                              hardware=load_hardware("cpu", {"kv_budget_tokens": 2048})))
+    from runners.engine_bench import cell_config
+    engine = Engine(cell_config("tiny", "cpu", "sglang_default", ["hardware.kv_budget_tokens=2048"]))
     assert prefill_bench.decode_check(engine, 0) == {}              # NCCL only: nothing to compare
     marker = torch.zeros(1)
     engine.tp._symm_buf = marker

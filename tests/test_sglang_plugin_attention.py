@@ -244,6 +244,19 @@ def test_in_sglang_systems_start_the_plugin(tmp_path, monkeypatch, system, attn,
     assert plain["PYTHONPATH"] == "/site" and not any(k.startswith(("GRANIKV_", "SGLANG_PLUGINS")) for k in plain)
 
 
+@pytest.mark.parametrize("system", ["sglang_server_granikv", "sglang_server_granikv_dynamic", "sglang_server_cascade"])
+def test_the_server_passes_every_plugin_setting_of_its_system(tmp_path, monkeypatch, system):
+    """The server's environment holds every setting the plugin reads, and the plugin reads back the
+    cell's system (PluginSettings.to_env / from_env, the one pair both sides use)."""
+    monkeypatch.setenv(srvmod.STATE_ENV, str(tmp_path))
+    rc = cfg([f"system={system}"])
+    spec = srvmod.server_spec(rc)
+    env = dict(spec.env)
+    assert {k for k in env if k.startswith("GRANIKV_")} == set(PluginSettings().to_env())
+    assert PluginSettings.from_env(env) == PluginSettings.from_system(
+        rc.system, hardware=rc.hardware.name, stats_file=str(srvmod.plugin_stats_path(spec.argv)))
+
+
 @pytest.mark.parametrize("override,field", [
     (["system=sglang_server_granikv", "system.backend=paged"], "system.backend"),
     (["system=sglang_server", "system.backend=granikv"], "system.backend"),

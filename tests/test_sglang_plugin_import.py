@@ -99,6 +99,50 @@ def test_settings_from_the_environment():
             PluginSettings.from_env(env)
 
 
+# a value other than the default for every field of PluginSettings (valid together)
+SAMPLE = {"hot_fraction": 0.35, "prefix_len": 2048, "hardware": "h200", "stats_file": "/tmp/stats.json",
+          "cascade_impl": "multilevel", "decode_plan": "flashinfer", "hot_split": "dynamic",
+          "hot_min_fraction": 0.1, "hot_max_fraction": 0.6, "cold_watermark": 0.07}
+# SystemConfig's fields the plugin does not read: what a server's command line or our engine takes
+ENGINE_ONLY = {"name", "backend", "dispatch", "tensor_core_decode", "dense_kernel", "engine", "server"}
+
+
+def test_every_setting_round_trips_through_the_environment():
+    """to_env and from_env cover every field; a field without a SAMPLE value fails here."""
+    import dataclasses
+
+    from granikv.sglang_plugin.settings import env_name
+    names = [f.name for f in dataclasses.fields(PluginSettings)]
+    assert set(names) == set(SAMPLE), "give a new field a SAMPLE value"
+    s = PluginSettings(**SAMPLE)
+    default = PluginSettings()
+    assert all(getattr(s, n) != getattr(default, n) for n in names)
+    env = s.to_env()
+    assert set(env) == {env_name(n) for n in names}
+    back = PluginSettings.from_env(env)
+    for n in names:
+        assert getattr(back, n) == SAMPLE[n] and type(getattr(back, n)) is type(SAMPLE[n]), n
+    assert back == s and PluginSettings.from_env(default.to_env()) == default
+
+
+def test_settings_share_the_system_configs_fields():
+    """PluginSettings' system fields are SystemConfig's (name and type); every SystemConfig field is
+    either read by the plugin or listed as engine-only, so a field added to one side only fails here."""
+    import dataclasses
+
+    from granikv.config import SystemConfig
+    from granikv.sglang_plugin.settings import OWN_FIELDS, SYSTEM_FIELDS
+    system = {f.name: f.type for f in dataclasses.fields(SystemConfig)}
+    plugin = {f.name: f.type for f in dataclasses.fields(PluginSettings)}
+    assert set(system) == set(SYSTEM_FIELDS) | ENGINE_ONLY, "a new SystemConfig field: the plugin's, or ENGINE_ONLY?"
+    assert set(plugin) == set(SYSTEM_FIELDS) | {n for n, _, _ in OWN_FIELDS}
+    assert all(plugin[n] == system[n] for n in SYSTEM_FIELDS)
+    s = SystemConfig(name="x", backend="granikv", hot_fraction=0.3, hot_split="dynamic", hot_max_fraction=0.7,
+                     cold_watermark=0.1, decode_plan="fast")
+    got = PluginSettings.from_system(s, hardware="h100")
+    assert all(getattr(got, n) == getattr(s, n) for n in SYSTEM_FIELDS) and got.hardware == "h100"
+
+
 def test_a_request_names_its_shared_prefix_in_custom_params(caplog):
     s = PluginSettings(0.2, 0)
     assert shared_prefix_len({PREFIX_PARAM: 100}, 300, s) == 100

@@ -9,44 +9,17 @@
 Every system runs one decode attention (granikv.attention.decode.DecodeAttention): the systems
 differ in the policy's ``choose`` alone.
 
-These presets and ``conf/system/<name>.yaml`` (what ``runners.run`` composes) must agree field
-for field; ``tests/test_config.py`` checks it. Ablations are settings of the same parts, never new code paths: ``granikv`` with
+The presets are ``conf/system/<name>.yaml`` (granikv.config.system_config reads one).
+Ablations are settings of the same parts, never new code paths: ``granikv`` with
 ``dispatch=dense_only|cascade_only|paged_only``, or with ``hot_fraction=0`` (no HOT: every
 prefix takes the paged fallback), or with ``hot_split=dynamic`` (``granikv_dynamic``: the HOT/COLD
 boundary starts at hot_fraction and moves online, granikv.kv.split_policy).
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from granikv.config import HardwareConfig, ModelConfig, SystemConfig
-
-SYSTEMS: dict[str, SystemConfig] = {
-    "sglang_default": SystemConfig(name="sglang_default", backend="paged", hot_fraction=0.0),
-    # composed: FlashInfer batch prefill + tensor-core decode + merge, faster than the shipped
-    # MultiLevelCascadeAttentionWrapper at every B >= 128 on the H200 (conf/system/sglang_cascade.yaml)
-    "sglang_cascade": SystemConfig(name="sglang_cascade", backend="cascade", hot_fraction=0.0,
-                                   cascade_impl="composed"),
-    "hydragen": SystemConfig(name="hydragen", backend="hydragen", hot_fraction=0.0),
-    "granikv": SystemConfig(name="granikv", backend="granikv", hot_fraction=0.2, dispatch="table"),
-}
-ABLATIONS: dict[str, SystemConfig] = {
-    "granikv_dense_only": replace(SYSTEMS["granikv"], name="granikv_dense_only", dispatch="dense_only"),
-    "granikv_cascade_only": replace(SYSTEMS["granikv"], name="granikv_cascade_only", dispatch="cascade_only"),
-    "granikv_paged_only": replace(SYSTEMS["granikv"], name="granikv_paged_only", dispatch="paged_only"),
-    "granikv_no_hot": replace(SYSTEMS["granikv"], name="granikv_no_hot", hot_fraction=0.0),
-    "granikv_dynamic": replace(SYSTEMS["granikv"], name="granikv_dynamic", hot_split="dynamic"),
-}
-
-
-def system_config(name: str) -> SystemConfig:
-    """The preset of a system or ablation by name."""
-    table = {**SYSTEMS, **ABLATIONS}
-    if name not in table:
-        raise ValueError(f"config error at `system.name`: unknown system '{name}'; choose one of {sorted(table)}")
-    return replace(table[name])
 
 
 def validate(system: SystemConfig) -> None:

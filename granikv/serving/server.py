@@ -39,6 +39,7 @@ from typing import Optional
 
 from granikv.config import RunConfig
 from granikv.serving.hf_config import write_model_dir
+from granikv.sglang_plugin.settings import PluginSettings
 
 STATE_ENV, KEEP_ENV = "GRANIKV_SGLANG_STATE", "GRANIKV_SGLANG_KEEP"
 PYTHON_ENV, PYTHONPATH_ENV = "GRANIKV_SGLANG_PYTHON", "GRANIKV_SGLANG_PYTHONPATH"
@@ -137,13 +138,9 @@ def server_spec(rc: RunConfig) -> ServerSpec:
     paths = [os.environ[PYTHONPATH_ENV]] if os.environ.get(PYTHONPATH_ENV) else []
     if sc.uses_plugin:   # granikv itself and its entry point go on the server's path, its settings in its env
         paths += [p for p in (os.environ.get(PLUGIN_PATH_ENV) or "").split(os.pathsep) if p]
-        env += [("SGLANG_PLUGINS", "granikv"), ("GRANIKV_HOT_FRACTION", repr(float(rc.system.hot_fraction))),
-                ("GRANIKV_HARDWARE", rc.hardware.name), ("GRANIKV_CASCADE_IMPL", rc.system.cascade_impl),
-                ("GRANIKV_DECODE_PLAN", rc.system.decode_plan), ("GRANIKV_HOT_SPLIT", rc.system.hot_split),
-                ("GRANIKV_HOT_MIN_FRACTION", repr(float(rc.system.hot_min_fraction))),
-                ("GRANIKV_HOT_MAX_FRACTION", repr(float(rc.system.hot_max_fraction))),
-                ("GRANIKV_COLD_WATERMARK", repr(float(rc.system.cold_watermark))),
-                ("GRANIKV_STATS_FILE", str(plugin_stats_path(argv)))]
+        settings = PluginSettings.from_system(rc.system, hardware=rc.hardware.name,
+                                              stats_file=str(plugin_stats_path(argv)))
+        env += [("SGLANG_PLUGINS", "granikv"), *settings.to_env().items()]
     if paths:
         env.append(("PYTHONPATH", os.pathsep.join(paths)))
     return ServerSpec(argv, tuple(env), sc.host, int(sc.port), float(sc.start_timeout_s))
