@@ -1,15 +1,12 @@
 """Every YAML under conf/ composes through Hydra and instantiates its dataclasses."""
 from __future__ import annotations
-
 import importlib.util
 import itertools
 from pathlib import Path
-
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
-
 from granikv.config import (HardwareConfig, ModelConfig, RunConfig, SystemConfig, WorkloadConfig, register,
                             to_run_config)
 

@@ -3,16 +3,13 @@ HTTP protocol. The replay client, the metrics (granikv.metrics, as for engine ce
 cache flushes, server reuse, and every failure path (no health, early exit, short output, a stalled
 stream, a busy port, a server dying mid-run) leaving failure.json with the log lines, never metrics.json."""
 from __future__ import annotations
-
 import json
 import os
 import socket
 import time
 from pathlib import Path
-
 import pytest
 from hydra import compose, initialize_config_dir
-
 from granikv import metrics, rawio
 from granikv.config import register, to_run_config
 from granikv.request import Request, RequestRecord

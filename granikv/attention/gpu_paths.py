@@ -40,7 +40,7 @@ from granikv.attention.plan import ClassPlan, StepPlan
 
 def prefix_mark():
     """A ``prefix_attention`` profiler range around a prefix-attention call while torch.profiler records
-    (the GPU annotation analysis.distance_to_limit and analysis.profiler split a step's attention
+    (the GPU annotation the distance_to_limit and profiler exhibits split a step's attention
     by), else nothing. Eager calls only: a replayed CUDA graph carries no host range inside it."""
     return torch.profiler.record_function("prefix_attention") if torch.autograd._profiler_enabled() \
         else contextlib.nullcontext()

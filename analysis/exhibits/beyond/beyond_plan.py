@@ -32,9 +32,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis import beyond
 from analysis.common import NOT_MEASURED, json_digest, write_table
 from analysis.load import Results, load_steps
+from analysis.measures.families import BASE, Family, TABLE, expected, family_cells, per_family, point_label
+from analysis.registry import register_exhibit
 from granikv.rawio import SchemaError, data_path
 
 NAME = "beyond_plan"
@@ -68,7 +69,7 @@ def _cell_plan_cached(path: str, mtime_ns: int, size: int) -> pd.DataFrame:
                          "plan_us": d["plan_us"].astype(float)})[cols]
 
 
-def family_plan(cells: pd.DataFrame, root: Path, fam: beyond.Family) -> pd.DataFrame:
+def family_plan(cells: pd.DataFrame, root: Path, fam: Family) -> pd.DataFrame:
     """The rows of ``fam`` (COLUMNS): one per (point, variant, table, step kind) with a batch size in common
     with SGLang default's steps at that point, then a not-measured row per expected (point, variant)
     without one."""
@@ -77,18 +78,18 @@ def family_plan(cells: pd.DataFrame, root: Path, fam: beyond.Family) -> pd.DataF
     missing = [{"family": fam.name, "point": point, "system": system, "table": "-", "step_kind": "-",
                 "plan_scope": "-", "steps": 0,
                 "batches": 0, "target": TARGET, "meets": NOT_MEASURED,
-                "status": NOT_MEASURED + (f" (no batch size in common with {beyond.BASE})"
+                "status": NOT_MEASURED + (f" (no batch size in common with {BASE})"
                                           if (point, system) in traced else "")}
-               for point, system in ((beyond._point(fam, v), s) for v, s in beyond.expected(fam))
+               for point, system in ((point_label(fam, v), s) for v, s in expected(fam))
                if (point, system) not in seen]
     parts = [p for p in (measured, pd.DataFrame(missing, columns=COLUMNS)) if not p.empty]
     return pd.concat(parts, ignore_index=True)[COLUMNS] if parts else pd.DataFrame(columns=COLUMNS)
 
 
-def _measured(cells: pd.DataFrame, root: Path, fam: beyond.Family) -> tuple[pd.DataFrame, set]:
+def _measured(cells: pd.DataFrame, root: Path, fam: Family) -> tuple[pd.DataFrame, set]:
     """The measured rows of ``fam`` (see family_plan), and the (point, variant) pairs whose cells record
     plan times at all."""
-    df = beyond.family_cells(cells, fam)
+    df = family_cells(cells, fam)
     if df.empty:
         return pd.DataFrame(columns=COLUMNS), set()
     dims = list(fam.dims)
@@ -97,24 +98,24 @@ def _measured(cells: pd.DataFrame, root: Path, fam: beyond.Family) -> tuple[pd.D
         p = cell_plan(root / c["path"])
         if p.empty:
             continue
-        table = json_digest(c[beyond.TABLE]) if c["system"] != beyond.BASE and beyond.TABLE in c.index else "-"
+        table = json_digest(c[TABLE]) if c["system"] != BASE and TABLE in c.index else "-"
         scope = c.get(SCOPE_KEY)
         parts.append(p.assign(system=c["system"], table=table, plan_scope=scope if isinstance(scope, str) else "plan",
                               **{d: c[d] for d in dims}))
     if not parts:
         return pd.DataFrame(columns=COLUMNS), set()
     steps = pd.concat(parts, ignore_index=True)
-    traced = {(beyond._point(fam, tuple(k[:-1])), k[-1]) for k in steps.groupby(dims + ["system"]).groups}
+    traced = {(point_label(fam, tuple(k[:-1])), k[-1]) for k in steps.groupby(dims + ["system"]).groups}
     keys = dims + ["system", "table", "step_kind", "plan_scope", "batch_size"]
     med = steps.groupby(keys, as_index=False).agg(us=("plan_us", "median"), n=("plan_us", "size"))
-    base = med[med["system"] == beyond.BASE].drop(columns=["system", "table", "n"]).rename(columns={"us": "base_us"})
-    m = med[med["system"] != beyond.BASE].merge(base, on=dims + ["step_kind", "plan_scope", "batch_size"])
+    base = med[med["system"] == BASE].drop(columns=["system", "table", "n"]).rename(columns={"us": "base_us"})
+    m = med[med["system"] != BASE].merge(base, on=dims + ["step_kind", "plan_scope", "batch_size"])
     rows = []
     for key, g in m.groupby(dims + ["system", "table", "step_kind", "plan_scope"], sort=False):
         w = g["n"].to_numpy(float)
         us, base_us = float(np.average(g["us"], weights=w)), float(np.average(g["base_us"], weights=w))
         ratio = us / base_us
-        rows.append({"family": fam.name, "point": beyond._point(fam, key[:len(dims)]), "system": key[-4],
+        rows.append({"family": fam.name, "point": point_label(fam, key[:len(dims)]), "system": key[-4],
                      "table": key[-3], "step_kind": key[-2], "plan_scope": key[-1], "steps": int(w.sum()),
                      "batches": len(g),
                      "plan_us": us, "base_plan_us": base_us, "plan_ratio": ratio,
@@ -123,22 +124,8 @@ def _measured(cells: pd.DataFrame, root: Path, fam: beyond.Family) -> tuple[pd.D
 
 
 def plan_frame(res: Results) -> pd.DataFrame:
-    """Every family's rows, in analysis.beyond.FAMILIES order."""
-    return beyond.per_family(res, family_plan, COLUMNS)
-
-
-def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
-    """Write tables/beyond_plan.{csv,md}; return the table."""
-    t = plan_frame(res)
-    write_table(t, NAME, out, {"plan_us": 0, "base_plan_us": 0, "plan_ratio": 2, "target": 2},
-                title="Beyond the paper: host time of a decode step's plan, GraniKV against SGLang default at the same batch",
-                note="plan_us / base_plan_us: median host time of make_plan + load per decode step at each batch size, "
-                     "averaged over the batch sizes both systems ran in this step kind (weighted by the variant's "
-                     "steps); plan_ratio: plan_us / base_plan_us; target: plan_ratio <= 1. plan_scope: what plan_us "
-                     "covers: gather+plan = gathering the step's slot lists from the slot table plus the plan (every "
-                     "system, as SGLang's plan builds its kv_indices); plan = the plan alone, the lists gathered "
-                     "before it (older cells). Variant and baseline are paired within one scope.")
-    return t
+    """Every family's rows, in analysis.FAMILIES order."""
+    return per_family(res, family_plan, COLUMNS)
 
 
 def lines(t: pd.DataFrame) -> list[str]:
@@ -157,3 +144,23 @@ def lines(t: pd.DataFrame) -> list[str]:
                  f"(worst: {worst['family']}, {worst['point']}, {worst['plan_us']:.0f} us against "
                  f"{worst['base_plan_us']:.0f} us).")
     return L
+
+
+def section(res: Results) -> list[str]:
+    """This exhibit's lines in the REPORT."""
+    return lines(plan_frame(res))
+
+
+@register_exhibit(NAME, figures=FIGURES, chapter="limit", rank=5, section=section)
+def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
+    """Write tables/beyond_plan.{csv,md}; return the table."""
+    t = plan_frame(res)
+    write_table(t, NAME, out, {"plan_us": 0, "base_plan_us": 0, "plan_ratio": 2, "target": 2},
+                title="Beyond the paper: host time of a decode step's plan, GraniKV against SGLang default at the same batch",
+                note="plan_us / base_plan_us: median host time of make_plan + load per decode step at each batch size, "
+                     "averaged over the batch sizes both systems ran in this step kind (weighted by the variant's "
+                     "steps); plan_ratio: plan_us / base_plan_us; target: plan_ratio <= 1. plan_scope: what plan_us "
+                     "covers: gather+plan = gathering the step's slot lists from the slot table plus the plan (every "
+                     "system, as SGLang's plan builds its kv_indices); plan = the plan alone, the lists gathered "
+                     "before it (older cells). Variant and baseline are paired within one scope.")
+    return t

@@ -22,10 +22,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis import beyond
 from analysis.common import NOT_MEASURED, json_digest, write_table
-from analysis.headline_steps import cell_steps
 from analysis.load import Results
+from analysis.measures.families import (BASE, Family, TABLE, beyond_frame, expected, family_cells, per_family,
+                                        point_label)
+from analysis.measures.steps import cell_steps
+from analysis.registry import register_exhibit
+
+
 
 NAME = "beyond_steps"
 FIGURES: tuple[str, ...] = ()
@@ -34,21 +38,21 @@ COLUMNS = (["family", "point", "system", "table", "n"] + STEP_COLS + [f"base_{c}
            + ["decode_speedup", "prefill_share", "status"])
 
 
-def family_steps(cells: pd.DataFrame, root: Path, fam: beyond.Family) -> pd.DataFrame:
+def family_steps(cells: pd.DataFrame, root: Path, fam: Family) -> pd.DataFrame:
     """One row per (point, system, table) of ``fam`` with a measured cell (COLUMNS; the baseline's step
     columns pooled per point), and a not-measured row per expected (point, variant) without one."""
     measured = _measured(cells, root, fam)
     seen = set(zip(measured["point"], measured["system"])) if not measured.empty else set()
-    missing = [{"family": fam.name, "point": beyond._point(fam, values), "system": system, "table": "-", "n": 0,
+    missing = [{"family": fam.name, "point": point_label(fam, values), "system": system, "table": "-", "n": 0,
                 "status": NOT_MEASURED}
-               for values, system in beyond.expected(fam) if (beyond._point(fam, values), system) not in seen]
+               for values, system in expected(fam) if (point_label(fam, values), system) not in seen]
     parts = [p for p in (measured, pd.DataFrame(missing, columns=COLUMNS)) if not p.empty]
     return pd.concat(parts, ignore_index=True)[COLUMNS] if parts else pd.DataFrame(columns=COLUMNS)
 
 
-def _measured(cells: pd.DataFrame, root: Path, fam: beyond.Family) -> pd.DataFrame:
+def _measured(cells: pd.DataFrame, root: Path, fam: Family) -> pd.DataFrame:
     """The rows of ``fam``'s (point, system, table) groups that have a variant cell."""
-    df = beyond.family_cells(cells, fam)
+    df = family_cells(cells, fam)
     if df.empty:
         return pd.DataFrame(columns=COLUMNS)
     dims = list(fam.dims)
@@ -56,12 +60,12 @@ def _measured(cells: pd.DataFrame, root: Path, fam: beyond.Family) -> pd.DataFra
     for _, c in df.iterrows():
         s = cell_steps(root / c["path"], int(c["workload.batch"]))
         rows.append({**{d: c[d] for d in dims}, "system": c["system"],
-                     "table": json_digest(c[beyond.TABLE]) if beyond.TABLE in c.index else "-",
+                     "table": json_digest(c[TABLE]) if TABLE in c.index else "-",
                      **{k: s[k] for k in STEP_COLS}})
     raw = pd.DataFrame(rows)
-    base = raw[raw["system"] == beyond.BASE].groupby(dims, as_index=False)[STEP_COLS].mean()
+    base = raw[raw["system"] == BASE].groupby(dims, as_index=False)[STEP_COLS].mean()
     base = base.rename(columns={c: f"base_{c}" for c in STEP_COLS})
-    var = raw[raw["system"] != beyond.BASE]
+    var = raw[raw["system"] != BASE]
     if var.empty:
         return pd.DataFrame(columns=COLUMNS)
     agg = var.groupby(dims + ["system", "table"], as_index=False).agg(
@@ -70,28 +74,14 @@ def _measured(cells: pd.DataFrame, root: Path, fam: beyond.Family) -> pd.DataFra
     agg["decode_speedup"] = agg["base_decode_s"] / agg["decode_s"]
     agg["prefill_share"] = agg["prefill_s"] / (agg["prefill_s"] + agg["decode_s"])
     agg["family"] = fam.name
-    agg["point"] = [beyond._point(fam, tuple(r[d] for d in dims)) for _, r in agg.iterrows()]
+    agg["point"] = [point_label(fam, tuple(r[d] for d in dims)) for _, r in agg.iterrows()]
     agg["status"] = "measured"
     return agg[COLUMNS]
 
 
 def steps_frame(res: Results) -> pd.DataFrame:
-    """Every family's rows, in analysis.beyond.FAMILIES order."""
-    return beyond.per_family(res, family_steps, COLUMNS)
-
-
-def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
-    """Write tables/beyond_steps.{csv,md}; return the table."""
-    t = steps_frame(res)
-    digits = {c: 2 for c in STEP_COLS + [f"base_{c}" for c in STEP_COLS]}
-    digits.update({"decode_steps": 0, "base_decode_steps": 0, "decode_eager_steps": 0, "base_decode_eager_steps": 0,
-                   "decode_batch_mean": 1, "base_decode_batch_mean": 1, "decode_speedup": 2, "prefill_share": 2})
-    write_table(t, NAME, out, digits,
-                title="Beyond the paper: step breakdown of each GraniKV variant next to SGLang default",
-                note="prefill_s / decode_s: summed step wall time by kind (measured steps); decode_eager_*: decode "
-                     "steps without a CUDA graph; base_*: SGLang default at the same point; decode_speedup: "
-                     "base_decode_s / decode_s; prefill_share: prefill_s / (prefill_s + decode_s).")
-    return t
+    """Every family's rows, in analysis.FAMILIES order."""
+    return per_family(res, family_steps, COLUMNS)
 
 
 def miss_lines(t: pd.DataFrame, steps: pd.DataFrame) -> list[str]:
@@ -130,3 +120,23 @@ def needed_line(r: dict) -> str:
                 f"SGLang default's step time over {r['target']:.2f}.")
     return (f" At this prefill time, {r['target']:.2f}x in step time needs the decode steps at {budget:.2f} s, "
             f"a {r['base_decode_s'] / budget:.2f}x decode speedup.")
+
+
+def section(res: Results) -> list[str]:
+    """This exhibit's lines in the REPORT."""
+    return miss_lines(beyond_frame(res), steps_frame(res))
+
+
+@register_exhibit(NAME, figures=FIGURES, chapter="limit", rank=4, section=section)
+def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
+    """Write tables/beyond_steps.{csv,md}; return the table."""
+    t = steps_frame(res)
+    digits = {c: 2 for c in STEP_COLS + [f"base_{c}" for c in STEP_COLS]}
+    digits.update({"decode_steps": 0, "base_decode_steps": 0, "decode_eager_steps": 0, "base_decode_eager_steps": 0,
+                   "decode_batch_mean": 1, "base_decode_batch_mean": 1, "decode_speedup": 2, "prefill_share": 2})
+    write_table(t, NAME, out, digits,
+                title="Beyond the paper: step breakdown of each GraniKV variant next to SGLang default",
+                note="prefill_s / decode_s: summed step wall time by kind (measured steps); decode_eager_*: decode "
+                     "steps without a CUDA graph; base_*: SGLang default at the same point; decode_speedup: "
+                     "base_decode_s / decode_s; prefill_share: prefill_s / (prefill_s + decode_s).")
+    return t

@@ -27,9 +27,13 @@ import numpy as np
 import pandas as pd
 
 from analysis.clean import all_cells
-from analysis.coverage import _norm
-from analysis.common import parse_selectors, select, with_derived, write_table
+from analysis.common import norm_value, parse_selectors, select, with_derived, write_table
 from analysis.load import Results
+from analysis.registry import register_exhibit
+from analysis.verdict.context import Context
+from analysis.verdict.evaluate import evaluate, load_claims
+from runners.campaign import expand, load_campaign
+
 
 NAME = "claim_map"
 TABLES = (NAME, "experiments")
@@ -37,12 +41,9 @@ FIGURES: tuple[str, ...] = ()
 FRAME_SWEEPS = {"steps": ("dispatch_overhead",)}   # frame -> the sweep presets made for it
 
 
-
-
 def planned_frame(items) -> pd.DataFrame:
     """One row per planned cell of ``items``: its flattened settings, ``item``, ``sweep`` (folder) and the
     derived columns of :func:`analysis.common.with_derived` (system, config, meff, instrumented)."""
-    from runners.campaign import expand
     rows = []
     for it in items:
         for c in expand(it):
@@ -96,7 +97,7 @@ class _Finished:
     def __init__(self, cells: pd.DataFrame, keys: list[str]):
         self.by_sweep = {}
         for sweep, g in (cells.groupby("sweep", sort=False) if not cells.empty else []):
-            cols = {k: [_norm(x) for x in g[k]] if k in g.columns else [None] * len(g) for k in keys}
+            cols = {k: [norm_value(x) for x in g[k]] if k in g.columns else [None] * len(g) for k in keys}
             self.by_sweep[sweep] = (g.reset_index(drop=True), cols)
 
     def matching(self, sweep: str, identity: dict) -> pd.DataFrame:
@@ -105,7 +106,7 @@ class _Finished:
         g, cols = self.by_sweep[sweep]
         keep = np.ones(len(g), dtype=bool)
         for k, v in identity.items():
-            want = _norm(v)
+            want = norm_value(v)
             keep &= np.fromiter((x == want for x in cols[k]), dtype=bool, count=len(g))
         return g[keep]
 
@@ -174,7 +175,7 @@ def bench_row(res: Results, ctx, sweep: str) -> dict:
         args = [("--model", "bench.model"), ("--hardware", "bench.hardware"), ("--prefix-len", "bench.prefix_len"),
                 ("--batch", "bench.batch"), ("--output-len", "bench.output_len"), ("--out", "bench.out")]
         cmd = launch + "".join(f" {flag} {shlex.quote(str(_int(b[col])))}" for flag, col in args
-                               if col in b.index and _norm(b[col]) is not None)
+                               if col in b.index and norm_value(b[col]) is not None)
         gpus, what = tp, "end-to-end engine bench (runners.engine_bench), one burst per system"
         secs = _cell_seconds(c)
         t = float(secs.sum()) / 60 if secs.notna().any() else np.nan
@@ -204,8 +205,6 @@ def tables(res: Results, ev: pd.DataFrame | None = None, claims: pd.DataFrame | 
            campaign=None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(claim_map: one row per claim and experiment, experiments: one row per experiment). ``ev``: the
     claims' evaluation (:func:`analysis.claims.evaluate`) when the caller has it already."""
-    from analysis.claims import Context, evaluate, load_claims
-    from runners.campaign import load_campaign
     claims = load_claims() if claims is None else claims
     items = load_campaign() if campaign is None else campaign
     planned = planned_frame(items)
@@ -237,6 +236,7 @@ def tables(res: Results, ev: pd.DataFrame | None = None, claims: pd.DataFrame | 
     return cm, ex
 
 
+@register_exhibit(NAME, figures=FIGURES, tables=TABLES, kind="claims")
 def build(res: Results, out: Path, figures: bool = True, ev: pd.DataFrame | None = None) -> pd.DataFrame:
     """Write tables/claim_map and tables/experiments; return the claim map."""
     cm, ex = tables(res, ev)

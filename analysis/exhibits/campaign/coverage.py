@@ -30,8 +30,9 @@ import numpy as np
 import pandas as pd
 
 from analysis.clean import all_cells
-from analysis.common import write_table
+from analysis.common import norm_value, write_table
 from analysis.load import ADDED_CONFIG_DEFAULTS, ADDED_SERVER_DEFAULTS, Results, load_results
+from analysis.registry import register_exhibit
 from runners.campaign import CampaignItem, PlannedCell, expand, load_campaign
 
 NAME = "coverage"
@@ -39,17 +40,6 @@ TABLES = (NAME, f"{NAME}_cells")
 FIGURES: tuple[str, ...] = ()
 MEASURED, OTHER, FAILED, MISSING = "measured", "measured, other settings", "failed", "missing"
 SHOWN_MAX = 24    # a setting's value longer than this is named, not shown (decision tables)
-
-
-def _norm(v):
-    """Config values as the raw results and the plan both give them: numbers as float, NaN/None as None."""
-    if v is None or (isinstance(v, (float, np.floating)) and math.isnan(v)):
-        return None
-    if isinstance(v, (bool, np.bool_)):
-        return bool(v)
-    if isinstance(v, (int, float, np.integer, np.floating)):
-        return float(v)
-    return v
 
 
 class _Columns:
@@ -77,14 +67,14 @@ def _matching(frame: _Columns, cell: PlannedCell) -> list[int]:
     for k, v in cell.identity.items():
         if not rows:
             break
-        want = _norm(v)
+        want = norm_value(v)
         col = frame[k] if k in frame else None
-        rows = [i for i in rows if _norm(None if col is None else col[i]) == want]
+        rows = [i for i in rows if norm_value(None if col is None else col[i]) == want]
     return rows
 
 
 def _shown(v) -> str:
-    s = "-" if _norm(v) is None else (f"{v:g}" if isinstance(v, (float, np.floating)) else str(v))
+    s = "-" if norm_value(v) is None else (f"{v:g}" if isinstance(v, (float, np.floating)) else str(v))
     return s if len(s) <= SHOWN_MAX else "(changed)"
 
 
@@ -95,7 +85,7 @@ def settings_diff(row: pd.Series | dict, cell: PlannedCell) -> dict[str, str]:
     for k, now in cell.settings.items():
         # a key no finished cell has yet was added after them: they ran its default
         then = row[k] if k in row.keys() else {**ADDED_CONFIG_DEFAULTS, **ADDED_SERVER_DEFAULTS}.get(k)
-        if _norm(then) != _norm(now):
+        if norm_value(then) != norm_value(now):
             out[k] = f"{_shown(then)} -> {_shown(now)}"
     return out
 
@@ -186,22 +176,6 @@ def _tables(res: Results, campaign: list[CampaignItem]) -> tuple[pd.DataFrame, p
     return pd.DataFrame(items), cells
 
 
-def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
-    """Write tables/coverage and tables/coverage_cells; return the per-item table."""
-    t, cells = tables(res)
-    note = ("Planned cells: conf/campaign.yaml expanded by runners.campaign (each sweep preset's params x the item's "
-            "overrides). other_settings: measured with settings the preset has since changed (then -> now); "
-            "unplanned_cells: finished cells in the item's sweep folder that match no planned cell (e.g. extra "
-            "repetitions). command: runs the missing cells on the GPU host (runners/gpu/sweep.sh, resumable); "
-            "locally: python -m runners.run -m sweep=<preset> <the same overrides> (torchrun at tp > 1). The command "
-            "leaves cells measured with other settings as they are; add force=true to rerun them with today's.")
-    write_table(t, NAME, out, title="Campaign coverage (conf/campaign.yaml)", note=note)
-    write_table(cells, f"{NAME}_cells", out, title="Campaign coverage, cell by cell",
-                note="One row per planned cell; see tables/coverage.md for the rules. command: runs this one cell on "
-                     "a machine of your own (into results/raw/<sweep>/<cell_id>; force=true where a cell exists already).")
-    return t
-
-
 def lines(t: pd.DataFrame) -> list[str]:
     """One line per item for REPORT.md and the CLI."""
     out = []
@@ -240,3 +214,25 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def section(res: Results) -> list[str]:
+    """This exhibit's lines in the REPORT."""
+    return [f"- {x}" for x in lines(tables(res)[0])]
+
+
+@register_exhibit(NAME, figures=FIGURES, tables=TABLES, kind="bookkeeping", chapter="coverage", rank=1, section=section)
+def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
+    """Write tables/coverage and tables/coverage_cells; return the per-item table."""
+    t, cells = tables(res)
+    note = ("Planned cells: conf/campaign.yaml expanded by runners.campaign (each sweep preset's params x the item's "
+            "overrides). other_settings: measured with settings the preset has since changed (then -> now); "
+            "unplanned_cells: finished cells in the item's sweep folder that match no planned cell (e.g. extra "
+            "repetitions). command: runs the missing cells on the GPU host (runners/gpu/sweep.sh, resumable); "
+            "locally: python -m runners.run -m sweep=<preset> <the same overrides> (torchrun at tp > 1). The command "
+            "leaves cells measured with other settings as they are; add force=true to rerun them with today's.")
+    write_table(t, NAME, out, title="Campaign coverage (conf/campaign.yaml)", note=note)
+    write_table(cells, f"{NAME}_cells", out, title="Campaign coverage, cell by cell",
+                note="One row per planned cell; see tables/coverage.md for the rules. command: runs this one cell on "
+                     "a machine of your own (into results/raw/<sweep>/<cell_id>; force=true where a cell exists already).")
+    return t

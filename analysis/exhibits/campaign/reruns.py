@@ -17,6 +17,9 @@ import pandas as pd
 from analysis.clean import config_keys
 from analysis.common import THROUGHPUT, code_versions, rename_short, sort_rows, with_derived, write_table
 from analysis.load import Results
+from analysis.registry import register_exhibit
+
+
 
 NAME = "reruns"
 SHOWN = ("model.name", "tp", "hardware.name", "workload.kind", "workload.batch", "workload.prefix_len",
@@ -54,6 +57,7 @@ def table(res: Results, metric: str = THROUGHPUT) -> pd.DataFrame:
     return sort_rows(rows[shown + COLUMNS], ["rerun_sweep"] + shown)
 
 
+@register_exhibit(NAME, kind="bookkeeping")
 def build(res: Results, out: Path) -> pd.DataFrame:
     """Write tables/reruns; return the table."""
     t = table(res)

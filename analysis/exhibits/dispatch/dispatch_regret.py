@@ -20,7 +20,7 @@ Writes tables/dispatch_regret.{csv,md}.
 """
 from __future__ import annotations
 
-from functools import lru_cache
+import json
 from pathlib import Path
 
 import numpy as np
@@ -29,28 +29,24 @@ import yaml
 
 from analysis.common import NOT_MEASURED, write_table
 from analysis.load import Results
+from analysis.measures.dispatch import HARDWARE_DIR, preset
+from analysis.measures.kernels import kernel_frame
+from analysis.registry import register_exhibit
+from granikv.attention.dispatch import Dispatcher
+
 
 NAME = "dispatch_regret"
 FIGURES: tuple[str, ...] = ()
 OPTIONS = {"dense": "dense", "cascade": "granikv_cascade", "paged": "paged"}   # table choice -> bench backend
 WITHIN = 0.03
-HARDWARE_DIR = Path(__file__).resolve().parents[1] / "conf" / "hardware"
 KEYS = ["provenance.gpu_name", "hardware", "cell.shape.name", "cell.shape.hq", "cell.shape.hkv", "cell.shape.d",
         "cell.prefix_len", "cell.batch"]
 COLUMNS = ["gpu", "shape", "Lp", "B", "kind", "paged_us", "cascade_us", "dense_us", "fastest", "table_choice",
            "table_us", "regret", "within_3pct", "n", "bench_choice", "bench_us", "status"]
 
 
-@lru_cache(maxsize=None)
-def preset(name: str) -> dict:
-    """conf/hardware/<name>.yaml as a dict ({} when there is no such preset)."""
-    p = HARDWARE_DIR / f"{name}.yaml"
-    return (yaml.safe_load(p.read_text()) or {}) if p.exists() else {}
-
-
 def _bench_choice(decisions) -> str | None:
     if isinstance(decisions, str):
-        import json
         try:
             decisions = json.loads(decisions)
         except ValueError:
@@ -86,8 +82,6 @@ def regret_frame(res: Results) -> pd.DataFrame:
 
 
 def _measured(res: Results) -> pd.DataFrame:
-    from analysis.kernel import kernel_frame
-    from granikv.attention.dispatch import Dispatcher
 
     k = kernel_frame(res)
     if k.empty or "cell.kind" not in k.columns:
@@ -143,6 +137,7 @@ def summary(t: pd.DataFrame) -> str:
             f"({worst['kind']}), {worst['table_choice']} {worst['regret']:+.0%} against {worst['fastest']}")
 
 
+@register_exhibit(NAME, figures=FIGURES)
 def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     """Write tables/dispatch_regret.{csv,md}; return the table."""
     t = regret_frame(res)

@@ -13,11 +13,17 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import seaborn as sns
 
-from analysis.common import (GRID_B, LPS, NOT_MEASURED, aggregate, placeholder_figure, plt, save_figure,
-                             select, sort_rows, with_derived, write_table)
+from analysis.common import (GRID_B, LPS, NOT_MEASURED, aggregate, placeholder_figure, plt, save_figure, select,
+                             sort_rows, write_table)
 from analysis.load import Results
-from analysis.plots import lp_label
+from analysis.measures.dispatch import with_dispatch
+from analysis.paper import paper_claims
+from analysis.plots import PAPER_LABEL, gpu_names, lp_label, mark_paper, title_of
+from analysis.registry import register_exhibit
+
+
 
 NAME = "dispatch_routing"
 FIGURES = (NAME,)
@@ -25,73 +31,11 @@ SELECT = {"workload.kind": "=synthetic", "workload.num_prefixes": "=1", "instrum
 PAPER_THRESHOLD = 1024  # A100 Msat (Sec. 3); hardware-specific
 
 
-def with_dispatch(cells: pd.DataFrame) -> pd.DataFrame:
-    """Cells plus ``dense_fraction`` / ``cascade_fraction`` / ``paged_fraction`` of dispatch_counts."""
-    df = with_derived(cells)
-    cnt = [c for c in df.columns if c.startswith("dispatch_counts.")]
-    if df.empty or not cnt:
-        return df.assign(dense_fraction=np.nan, cascade_fraction=np.nan, paged_fraction=np.nan) if not df.empty else df
-    total = df[cnt].fillna(0).sum(axis=1).replace(0, np.nan)
-    for b in ("dense", "cascade", "paged"):
-        col = f"dispatch_counts.{b}"
-        df[f"{b}_fraction"] = (df[col].fillna(0) if col in df.columns else 0) / total
-    return df
-
-
-def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
-    """Write this module's table (and, unless ``figures`` is False, its figures); return the table."""
-    df = with_dispatch(res.cells)
-    df = select(df, SELECT) if not df.empty else df
-    keys = ["config", "workload.prefix_len", "workload.batch", "meff"]
-    rows = []
-    if not df.empty:
-        g = select(df, {"system": "=granikv"})
-        t = aggregate(g, keys, "dense_fraction").rename(columns={"mean": "dense_fraction", "n": "n_granikv"})
-        t = t[keys + ["dense_fraction", "n_granikv"]]
-        a = aggregate(g, keys, "tpot_p50_ms")[keys + ["mean"]]
-        t = t.merge(a.rename(columns={"mean": "tpot_p50_ms_granikv"}), on=keys, how="outer")
-        for s in ("granikv_dense_only", "granikv_cascade_only"):
-            a = aggregate(select(df, {"system": f"={s}"}), keys, "tpot_p50_ms")[keys + ["mean"]]
-            t = t.merge(a.rename(columns={"mean": f"tpot_p50_ms_{s.split('_')[1]}"}), on=keys, how="outer")
-        for c in ("tpot_p50_ms_dense", "tpot_p50_ms_cascade", "dense_fraction"):
-            if c not in t.columns:
-                t[c] = np.nan
-        t["tpot_dense_over_cascade"] = t["tpot_p50_ms_dense"] / t["tpot_p50_ms_cascade"]
-        t["granikv_over_best"] = t["tpot_p50_ms_granikv"] / t[["tpot_p50_ms_dense", "tpot_p50_ms_cascade"]].min(axis=1, skipna=False)
-        t["status"] = "measured"
-        rows = t.to_dict("records")
-    have = {(r["config"], r["workload.prefix_len"], r["workload.batch"]) for r in rows}
-    for lp in LPS[:-1]:
-        for b in GRID_B:
-            if ("llama3_8b TP=1", lp, b) not in have:
-                rows.append({"config": "llama3_8b TP=1", "workload.prefix_len": lp, "workload.batch": b,
-                             "meff": 4 * b, "status": NOT_MEASURED})
-    cols = keys + ["n_granikv", "dense_fraction", "tpot_p50_ms_granikv", "tpot_p50_ms_dense", "tpot_p50_ms_cascade",
-                   "tpot_dense_over_cascade", "granikv_over_best", "status"]
-    t = sort_rows(pd.DataFrame(rows, columns=cols), keys)
-    write_table(t, NAME, out, {"dense_fraction": 3, "tpot_p50_ms_granikv": 2, "tpot_p50_ms_dense": 2,
-                               "tpot_p50_ms_cascade": 2, "tpot_dense_over_cascade": 3, "granikv_over_best": 3},
-                title="Dispatch routing vs Meff (synthetic grid)",
-                note="dense_fraction: share of GraniKV's dispatch decisions that chose dense (paper: ~all at Meff >= 1024 on A100, "
-                     "<= 13% below). granikv_over_best: GraniKV's TPOT p50 over the faster forced backend's (above 1: "
-                     "the dispatcher lost time against a fixed choice).")
-    if not figures:
-        return t
-    m = t[t["status"] == "measured"]
-    if m.empty:
-        placeholder_figure(NAME, out, "no synthetic-grid GraniKV / forced-backend cells")
-        return t
-    draw(res, m, out)
-    return t
-
-
 def draw(res: Results, m: pd.DataFrame, out: Path) -> None:
     """Left: the share of GraniKV's steps routed to dense over Lp x Meff (a heatmap; the paper's A100 rule
     marked); right: TPOT of the forced backends, dense-only over cascade-only, vs Meff, with the paper's
     values. The configuration with the most cells is drawn (the others are in the table)."""
-    import seaborn as sns
 
-    from analysis.plots import PAPER_LABEL, gpu_names, mark_paper, paper_claims, title_of
     cfg = m["config"].value_counts().idxmax()
     others = sorted(set(m["config"]) - {cfg})
     m = m[m["config"] == cfg]
@@ -145,3 +89,51 @@ def draw(res: Results, m: pd.DataFrame, out: Path) -> None:
     fig.tight_layout()
     save_figure(fig, NAME, out, data=m[["config", "workload.prefix_len", "workload.batch", "meff", "dense_fraction",
                                         "tpot_dense_over_cascade"]])
+
+
+@register_exhibit(NAME, figures=FIGURES)
+def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
+    """Write this module's table (and, unless ``figures`` is False, its figures); return the table."""
+    df = with_dispatch(res.cells)
+    df = select(df, SELECT) if not df.empty else df
+    keys = ["config", "workload.prefix_len", "workload.batch", "meff"]
+    rows = []
+    if not df.empty:
+        g = select(df, {"system": "=granikv"})
+        t = aggregate(g, keys, "dense_fraction").rename(columns={"mean": "dense_fraction", "n": "n_granikv"})
+        t = t[keys + ["dense_fraction", "n_granikv"]]
+        a = aggregate(g, keys, "tpot_p50_ms")[keys + ["mean"]]
+        t = t.merge(a.rename(columns={"mean": "tpot_p50_ms_granikv"}), on=keys, how="outer")
+        for s in ("granikv_dense_only", "granikv_cascade_only"):
+            a = aggregate(select(df, {"system": f"={s}"}), keys, "tpot_p50_ms")[keys + ["mean"]]
+            t = t.merge(a.rename(columns={"mean": f"tpot_p50_ms_{s.split('_')[1]}"}), on=keys, how="outer")
+        for c in ("tpot_p50_ms_dense", "tpot_p50_ms_cascade", "dense_fraction"):
+            if c not in t.columns:
+                t[c] = np.nan
+        t["tpot_dense_over_cascade"] = t["tpot_p50_ms_dense"] / t["tpot_p50_ms_cascade"]
+        t["granikv_over_best"] = t["tpot_p50_ms_granikv"] / t[["tpot_p50_ms_dense", "tpot_p50_ms_cascade"]].min(axis=1, skipna=False)
+        t["status"] = "measured"
+        rows = t.to_dict("records")
+    have = {(r["config"], r["workload.prefix_len"], r["workload.batch"]) for r in rows}
+    for lp in LPS[:-1]:
+        for b in GRID_B:
+            if ("llama3_8b TP=1", lp, b) not in have:
+                rows.append({"config": "llama3_8b TP=1", "workload.prefix_len": lp, "workload.batch": b,
+                             "meff": 4 * b, "status": NOT_MEASURED})
+    cols = keys + ["n_granikv", "dense_fraction", "tpot_p50_ms_granikv", "tpot_p50_ms_dense", "tpot_p50_ms_cascade",
+                   "tpot_dense_over_cascade", "granikv_over_best", "status"]
+    t = sort_rows(pd.DataFrame(rows, columns=cols), keys)
+    write_table(t, NAME, out, {"dense_fraction": 3, "tpot_p50_ms_granikv": 2, "tpot_p50_ms_dense": 2,
+                               "tpot_p50_ms_cascade": 2, "tpot_dense_over_cascade": 3, "granikv_over_best": 3},
+                title="Dispatch routing vs Meff (synthetic grid)",
+                note="dense_fraction: share of GraniKV's dispatch decisions that chose dense (paper: ~all at Meff >= 1024 on A100, "
+                     "<= 13% below). granikv_over_best: GraniKV's TPOT p50 over the faster forced backend's (above 1: "
+                     "the dispatcher lost time against a fixed choice).")
+    if not figures:
+        return t
+    m = t[t["status"] == "measured"]
+    if m.empty:
+        placeholder_figure(NAME, out, "no synthetic-grid GraniKV / forced-backend cells")
+        return t
+    draw(res, m, out)
+    return t

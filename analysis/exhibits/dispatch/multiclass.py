@@ -25,8 +25,11 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.common import NOT_MEASURED, write_table
-from analysis.dispatch_regret import preset
 from analysis.load import Results
+from analysis.measures.dispatch import preset
+from analysis.registry import register_exhibit
+from granikv.attention.dispatch import Dispatcher
+
 
 NAME = "multiclass"
 FIGURES: tuple[str, ...] = ()
@@ -58,7 +61,6 @@ def fastest(t: dict[str, float]) -> str:
 
 def frame(res: Results) -> pd.DataFrame:
     """One row per multi-class calibration point and step kind (see the module doc)."""
-    from granikv.attention.dispatch import Dispatcher
 
     k = res.kernels
     need = set(KEYS) | {"cell.kind", "k.backend", "k.time_ms", "k.time_ms_eager", "k.host_ms_eager"}
@@ -90,24 +92,6 @@ def frame(res: Results) -> pd.DataFrame:
             rows.append({**row, "fastest": best, "one_class_choice": one, "one_class_regret": t[one] / t[best] - 1,
                          "table_choice": now, "table_regret": t[now] / t[best] - 1, "status": "measured"})
     return pd.DataFrame(rows, columns=COLUMNS)
-
-
-def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
-    """Write tables/multiclass.{csv,md}; return the table."""
-    t = frame(res)
-    if t.empty:
-        t = pd.DataFrame([{"status": f"{NOT_MEASURED}: no calibration cell of several prefix classes "
-                                     f"(run {COMMAND})"}], columns=COLUMNS)
-    write_table(t, NAME, out, {"paged_us": 1, "cascade_us": 1, "dense_us": 1, "one_class_regret": 3,
-                               "table_regret": 3},
-                title="Steps of several prefix classes: the calibration's options, and the one-class table's "
-                      "pick against the table's",
-                note="One layer per call, us: k classes of B_class adjacent rows, one Lp. dense: k dense calls; "
-                     "cascade: one batched cascade call for the k classes; paged: one decode. graph: CUDA-graph "
-                     "replay; eager: device time + host launch time. one_class_choice: the rules for one class "
-                     "per step (classes=1), as a table calibrated on single-class steps decides; table_choice: "
-                     "today's table at k classes; regret: the pick's cost over the fastest's, minus 1.")
-    return t
 
 
 def lines(t: pd.DataFrame, res: Results | None = None) -> list[str]:
@@ -178,3 +162,27 @@ def engine_lines(res: Results) -> list[str]:
                  for r in p.sort_values("system.dispatch").to_dict("records")]
         L.append(f"- Engine, {lengths} k={int(k)} (the dynamic split, A100-40GB budget): " + "; ".join(parts) + ".")
     return L
+
+
+def section(res: Results) -> list[str]:
+    """This exhibit's lines in the REPORT."""
+    return lines(frame(res), res)
+
+
+@register_exhibit(NAME, figures=FIGURES, chapter="limit", rank=7, section=section)
+def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
+    """Write tables/multiclass.{csv,md}; return the table."""
+    t = frame(res)
+    if t.empty:
+        t = pd.DataFrame([{"status": f"{NOT_MEASURED}: no calibration cell of several prefix classes "
+                                     f"(run {COMMAND})"}], columns=COLUMNS)
+    write_table(t, NAME, out, {"paged_us": 1, "cascade_us": 1, "dense_us": 1, "one_class_regret": 3,
+                               "table_regret": 3},
+                title="Steps of several prefix classes: the calibration's options, and the one-class table's "
+                      "pick against the table's",
+                note="One layer per call, us: k classes of B_class adjacent rows, one Lp. dense: k dense calls; "
+                     "cascade: one batched cascade call for the k classes; paged: one decode. graph: CUDA-graph "
+                     "replay; eager: device time + host launch time. one_class_choice: the rules for one class "
+                     "per step (classes=1), as a table calibrated on single-class steps decides; table_choice: "
+                     "today's table at k classes; regret: the pick's cost over the fastest's, minus 1.")
+    return t

@@ -11,26 +11,29 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.common import GRID_B, LPS, PAPER_CONFIG_LABELS, rename_short, select, system_table, write_table
-from analysis.headline import DIGITS
+from analysis.common import (GRID_B, GRID_CELLS, LPS, PAPER_CONFIG_LABELS, THROUGHPUT_DIGITS, rename_short, select,
+                             system_table, write_table)
 from analysis.load import Results
 from analysis.plots import gpu_names, lines_vs, ratio_heatmaps
+from analysis.registry import register_exhibit
+
+
 
 NAME = "grid"
 FIGURES = ("grid_ratio_heatmap", "grid_throughput")
-SELECT = {"workload.kind": "=synthetic", "workload.num_prefixes": "=1"}
 
 
+@register_exhibit(NAME, figures=FIGURES)
 def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     """Write this module's table (and, unless ``figures`` is False, its figures); return the table."""
     dims = ["config", "workload.prefix_len", "workload.batch"]
-    t = system_table(res.cells, res.config_columns, SELECT, dims,
+    t = system_table(res.cells, res.config_columns, GRID_CELLS, dims,
                      expected={"config": PAPER_CONFIG_LABELS, "workload.prefix_len": LPS, "workload.batch": GRID_B})
-    write_table(rename_short(t), NAME, out, DIGITS, title="Synthetic grid (Tables 6-8 + Lp=16K): output tok/s",
+    write_table(rename_short(t), NAME, out, THROUGHPUT_DIGITS, title="Synthetic grid (Tables 6-8 + Lp=16K): output tok/s",
                 note="mean/sd/min/max over repetitions (n); ratios of rep means; TPOT/TTFT p50 in ms (rep means).")
     if not figures:
         return t
-    gpu = gpu_names(select(res.cells, SELECT) if not res.cells.empty else res.cells)
+    gpu = gpu_names(select(res.cells, GRID_CELLS) if not res.cells.empty else res.cells)
     ratio_heatmaps(t, "grid_ratio_heatmap", out, "workload.prefix_len", "workload.batch", ["config"],
                    systems=("granikv", "sglang_cascade", "hydragen"), gpu=gpu,
                    cbar_label="output throughput / sglang_default",

@@ -10,22 +10,27 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.common import (PAPER_CONFIG_LABELS, placeholder_figure, plt, rename_short, save_figure, select, show,
-                             system_table, write_table)
-from analysis.headline import DIGITS
+from analysis.common import (PAPER_CONFIG_LABELS, THROUGHPUT_DIGITS, placeholder_figure, plt, rename_short, save_figure,
+                             select, show, system_table, write_table)
 from analysis.load import Results
+from analysis.paper import paper_claims
+from analysis.plots import gpu_names, mark_paper, title_of
+from analysis.registry import register_exhibit
+
+
 
 NAME = "limitation"
 FIGURES = (NAME,)
 SELECT = {"workload.prefix_len": "=512", "workload.batch": ">=256", "workload.num_prefixes": "=1"}
 
 
+@register_exhibit(NAME, figures=FIGURES)
 def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     """Write this module's table (and, unless ``figures`` is False, its figures); return the table."""
     t = system_table(res.cells, res.config_columns, SELECT, ["workload.kind", "config", "workload.batch"],
                      expected={"workload.kind": ("sharegpt",), "config": PAPER_CONFIG_LABELS,
                                "workload.batch": (256, 512, 1024)})
-    write_table(rename_short(t), NAME, out, DIGITS, title="Limitation cells: Lp=512, B >= 256")
+    write_table(rename_short(t), NAME, out, THROUGHPUT_DIGITS, title="Limitation cells: Lp=512, B >= 256")
     if not figures:
         return t
     g = t[(t["status"] == "measured") & (t["system"] == "granikv")] if not t.empty else t
@@ -33,7 +38,6 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     if g.empty:
         placeholder_figure(NAME, out, "no GraniKV cell at Lp=512, B>=256 with a sglang_default twin")
         return t
-    from analysis.plots import gpu_names, mark_paper, paper_claims, title_of
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for (kind, cfg), gs in g.groupby(["workload.kind", "config"], sort=True):
         gs = gs.sort_values("workload.batch")

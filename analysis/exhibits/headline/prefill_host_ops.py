@@ -15,7 +15,8 @@ import pandas as pd
 
 from analysis.common import NOT_MEASURED, write_table
 from analysis.load import Results
-from analysis.prefill_host import FILE, _need
+from analysis.measures.prefill import FILE, need_field
+from analysis.registry import register_exhibit
 from granikv.rawio import read_json
 
 NAME = "prefill_host_ops"
@@ -32,24 +33,24 @@ def load(root: str | Path) -> pd.DataFrame:
             continue
         d = read_json(path)
         profiles = d.get("host_profile") or []
-        _need(isinstance(profiles, list), path, "host_profile", "must be a list (one entry per rank)")
+        need_field(isinstance(profiles, list), path, "host_profile", "must be a list (one entry per rank)")
         cfg, prov = d.get("config", {}), d.get("provenance", {})
         base = {"model": cfg.get("model", {}).get("name", "?"), "tp": int(cfg.get("tp", 1)),
                 "allreduce": cfg.get("hardware", {}).get("allreduce", "nccl"),
                 "gpu": prov.get("gpu_name") or "no GPU (CPU)", "commit": str(prov.get("git_commit", "unknown"))[:7]}
         for i, p in enumerate(profiles):
-            _need(isinstance(p, dict) and "rank" in p, path, f"host_profile[{i}].rank", "is missing")
+            need_field(isinstance(p, dict) and "rank" in p, path, f"host_profile[{i}].rank", "is missing")
             if "error" in p:
                 rows.append({**base, "rank": p["rank"], "op": "(profile failed)", "status": str(p["error"])[:120]})
                 continue
             for k in ("tokens", "wall_ms", "self_cpu_ms_total", "top"):
-                _need(k in p, path, f"host_profile[{i}].{k}", "is missing")
+                need_field(k in p, path, f"host_profile[{i}].{k}", "is missing")
             total = float(p["self_cpu_ms_total"])
             rows.append({**base, "rank": p["rank"], "tokens": p["tokens"], "op": "(total)", "calls": None,
                          "self_cpu_ms": total, "share": 1.0, "wall_ms": float(p["wall_ms"]), "status": "measured"})
             for j, op in enumerate(p["top"]):
                 for k in ("name", "calls", "self_cpu_ms"):
-                    _need(k in op, path, f"host_profile[{i}].top[{j}].{k}", "is missing")
+                    need_field(k in op, path, f"host_profile[{i}].top[{j}].{k}", "is missing")
                 rows.append({**base, "rank": p["rank"], "tokens": p["tokens"], "op": op["name"], "calls": op["calls"],
                              "self_cpu_ms": float(op["self_cpu_ms"]),
                              "share": float(op["self_cpu_ms"]) / total if total > 0 else None,
@@ -57,6 +58,7 @@ def load(root: str | Path) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=COLS)
 
 
+@register_exhibit(NAME, figures=FIGURES)
 def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     """Write tables/prefill_host_ops.{csv,md}; return the table."""
     t = load(res.root)

@@ -11,7 +11,6 @@ No figure.
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -19,6 +18,10 @@ import pandas as pd
 
 from analysis.common import NOT_MEASURED, write_table
 from analysis.load import Results
+from analysis.measures.kernels import row_kernels
+from analysis.registry import register_exhibit
+
+
 
 NAME = "kernel_breakdown"
 FIGURES: tuple[str, ...] = ()
@@ -34,15 +37,6 @@ def short_name(name: str, width: int = 70) -> str:
     return s if len(s) <= width else s[:width - 3] + "..."
 
 
-def _kernels(text, where: str) -> list[dict]:
-    ks = json.loads(text) if isinstance(text, str) else text
-    if not isinstance(ks, list) or not all(isinstance(k, dict) and {"name", "us_per_call", "launches_per_call"} <= set(k)
-                                           for k in ks):
-        raise ValueError(f"{where}: kernels must be a list of {{name, us_per_call, launches_per_call}} "
-                         "(runners.kernel_bench profile_kernels=true writes it); rerun the cell")
-    return ks
-
-
 def frame(res: Results) -> pd.DataFrame:
     """The breakdown rows of every profiled kernel row (empty when none was profiled)."""
     k = res.kernels
@@ -50,7 +44,7 @@ def frame(res: Results) -> pd.DataFrame:
         return pd.DataFrame(columns=COLS)
     rows = []
     for _, r in k[k["k.kernels"].notna()].iterrows():
-        ks = _kernels(r["k.kernels"], f"{r.get('path', '?')}/kernel.jsonl backend {r.get('k.backend')}")
+        ks = row_kernels(r["k.kernels"], f"{r.get('path', '?')}/kernel.jsonl backend {r.get('k.backend')}")
         ks = sorted(ks, key=lambda x: -float(x["us_per_call"]))
         busy = sum(float(x["us_per_call"]) for x in ks)
         base = {"gpu": r.get("provenance.gpu_name") or "no GPU (CPU)", "kind": r.get("cell.kind"),
@@ -73,6 +67,7 @@ def frame(res: Results) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=COLS)
 
 
+@register_exhibit(NAME, figures=FIGURES)
 def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     """Write tables/kernel_breakdown.{csv,md}; return the table."""
     t = frame(res)

@@ -19,6 +19,9 @@ import pandas as pd
 
 from analysis.common import NOT_MEASURED, write_table
 from analysis.load import Results
+from analysis.registry import register_exhibit
+
+
 
 NAME = "plan_host"
 FIGURES: tuple[str, ...] = ()
@@ -95,31 +98,6 @@ def frame(res: Results) -> pd.DataFrame:
     return t[COLS].reset_index(drop=True)
 
 
-def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
-    """Write tables/plan_host.{csv,md}; return the table."""
-    t = frame(res)
-    if t.empty:
-        t = pd.DataFrame([{"backend": "(none)", "status": f"{NOT_MEASURED}: no kernel-bench row carries a plan time "
-                                                         "(run python -m runners.kernel_bench plan_reps=100 "
-                                                         "profile_plan=16 plan_busy_ms=5)"}], columns=COLS)
-    write_table(t, NAME, out, {"plan_us": 0, "base_plan_us": 0, "busy_us": 0, "base_busy_us": 0, "plan_ratio": 2,
-                               "busy_ratio": 2, "busy_ms": 1},
-                title="Host time of one decode step's plan, per backend (kernel benchmark)",
-                note="plan_us: median host time of make_plan + load over the row's repetitions, on the eager "
-                     "wrapper set or the CUDA-graph-mode set (step_kind); busy_us: the same while the GPU runs "
-                     "busy_ms of other work, as the engine's overlap schedule plans (a plan that waits for the "
-                     "device shows there); base_*: the paged backend (SGLang default's path) in the same cell and "
-                     "step kind; ratio = backend / paged. batch_form: packed = the cell's slot lists given packed "
-                     "(plan_us leaves out building them; GraniKV's plan rebuilds prefix-free copies), slot_table = "
-                     "given as slot-table rows, every backend's plan gathers the lists it runs (the engine's form). "
-                     "paths: the backend's path per prefix class. top: the "
-                     "plan's costliest functions under cProfile, own microseconds per plan (indicative). A busy_us "
-                     "of about busy_ms plus plan_us for every backend, paged included, means each plan read "
-                     "something back from the device: the kernel bench's batches carried no host copy of the "
-                     "indptr before the engine-like one they carry now, and plan() read it back every step.")
-    return t
-
-
 def lines(t: pd.DataFrame) -> list[str]:
     """The REPORT's paragraph: per kernel-bench sweep, GPU and step kind, GraniKV's plan against the paged
     backend's in the same cells, and where the worst one's host time goes."""
@@ -144,3 +122,34 @@ def lines(t: pd.DataFrame) -> list[str]:
                  f"(worst: Lp={int(worst['Lp'])}, B={int(worst['B'])}, k={int(worst['k'])}, {worst['plan_us']:.0f} us "
                  f"against {worst['base_plan_us']:.0f} us; costliest: {worst['top'] or 'not profiled'})" + tail)
     return L
+
+
+def section(res: Results) -> list[str]:
+    """This exhibit's lines in the REPORT."""
+    return lines(frame(res))
+
+
+@register_exhibit(NAME, figures=FIGURES, chapter="limit", rank=6, section=section)
+def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
+    """Write tables/plan_host.{csv,md}; return the table."""
+    t = frame(res)
+    if t.empty:
+        t = pd.DataFrame([{"backend": "(none)", "status": f"{NOT_MEASURED}: no kernel-bench row carries a plan time "
+                                                         "(run python -m runners.kernel_bench plan_reps=100 "
+                                                         "profile_plan=16 plan_busy_ms=5)"}], columns=COLS)
+    write_table(t, NAME, out, {"plan_us": 0, "base_plan_us": 0, "busy_us": 0, "base_busy_us": 0, "plan_ratio": 2,
+                               "busy_ratio": 2, "busy_ms": 1},
+                title="Host time of one decode step's plan, per backend (kernel benchmark)",
+                note="plan_us: median host time of make_plan + load over the row's repetitions, on the eager "
+                     "wrapper set or the CUDA-graph-mode set (step_kind); busy_us: the same while the GPU runs "
+                     "busy_ms of other work, as the engine's overlap schedule plans (a plan that waits for the "
+                     "device shows there); base_*: the paged backend (SGLang default's path) in the same cell and "
+                     "step kind; ratio = backend / paged. batch_form: packed = the cell's slot lists given packed "
+                     "(plan_us leaves out building them; GraniKV's plan rebuilds prefix-free copies), slot_table = "
+                     "given as slot-table rows, every backend's plan gathers the lists it runs (the engine's form). "
+                     "paths: the backend's path per prefix class. top: the "
+                     "plan's costliest functions under cProfile, own microseconds per plan (indicative). A busy_us "
+                     "of about busy_ms plus plan_us for every backend, paged included, means each plan read "
+                     "something back from the device: the kernel bench's batches carried no host copy of the "
+                     "indptr before the engine-like one they carry now, and plan() read it back every step.")
+    return t

@@ -33,10 +33,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.common import NOT_MEASURED, write_table
-from analysis.distance_to_limit import VENDOR_PEAKS
-from analysis.kernel_breakdown import _kernels
+from analysis.common import NOT_MEASURED, VENDOR_PEAKS, write_table
 from analysis.load import Results
+from analysis.measures.kernels import row_kernels
+from analysis.registry import register_exhibit
+
+
 
 NAME = "prefix_kernel"
 FIGURES: tuple[str, ...] = ()
@@ -88,7 +90,7 @@ def frame(res: Results) -> pd.DataFrame:
     rows = []
     sel = k[k["k.kernels"].notna() & (k["cell.kind"] == "decode") & k["k.backend"].astype(str).str.startswith("dense")]
     for _, r in sel.iterrows():
-        ks = _kernels(r["k.kernels"], f"{r.get('path', '?')}/kernel.jsonl backend {r['k.backend']}")
+        ks = row_kernels(r["k.kernels"], f"{r.get('path', '?')}/kernel.jsonl backend {r['k.backend']}")
         us = {c: 0.0 for c in ("prefix", "suffix", "merge", "glue")}
         for x in ks:
             us[classify(str(x["name"]))] += float(x["us_per_call"])
@@ -135,21 +137,6 @@ def shown(t: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
-    """Write tables/prefix_kernel.{csv,md}; return the table."""
-    t = frame(res)
-    text = shown(t) if not t.empty else pd.DataFrame(
-        [{"status": f"{NOT_MEASURED}: no dense kernel-bench row carries a kernel profile "
-                    "(python -m runners.kernel_bench 'backends=[dense,...]' profile_kernels=true)"}], columns=COLUMNS)
-    write_table(text, NAME, out, DIGITS, title="The dense prefix path kernel by kernel, against the bf16 peak",
-                note="One layer's dense attention call per profiled kernel-bench row: prefix kernel (HOT slab), suffix "
-                     "kernel (COLD pool), merges, glue kernels and launch gaps, in us per call; the prefix kernel's "
-                     "TFLOP/s as a share of the datasheet bf16 peak and of the bench's measured GEMM peak; the "
-                     "suffix kernel's TB/s; the call's roofline. Target at Llama-3.1-8B, Lp=16K, B=256: prefix "
-                     "kernel <= 135 us and >= 65% of peak (meets_target). Module docstring: analysis/prefix_kernel.py.")
-    return t
-
-
 def lines(t: pd.DataFrame) -> list[str]:
     """The REPORT's paragraph on the dense prefix kernel at the target cell (empty list without a row)."""
     at = t[(t["shape"] == TARGET["shape"]) & (t["Lp"] == TARGET["Lp"]) & (t["B"] == TARGET["B"])] if not t.empty else t
@@ -165,3 +152,24 @@ def lines(t: pd.DataFrame) -> list[str]:
         L.append(f"| {r.backend} | {r.timed_us:.1f} | {r.prefix_us:.1f} | {100 * r.prefix_pct_peak:.1f}% | "
                  f"{r.suffix_us:.1f} | {r.suffix_tbps:.2f} | {rest:.1f} | {r.roofline_us:.1f} | {r.meets_target} |")
     return L
+
+
+def section(res: Results) -> list[str]:
+    """This exhibit's lines in the REPORT."""
+    return lines(frame(res))
+
+
+@register_exhibit(NAME, figures=FIGURES, chapter="limit", rank=2, section=section)
+def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
+    """Write tables/prefix_kernel.{csv,md}; return the table."""
+    t = frame(res)
+    text = shown(t) if not t.empty else pd.DataFrame(
+        [{"status": f"{NOT_MEASURED}: no dense kernel-bench row carries a kernel profile "
+                    "(python -m runners.kernel_bench 'backends=[dense,...]' profile_kernels=true)"}], columns=COLUMNS)
+    write_table(text, NAME, out, DIGITS, title="The dense prefix path kernel by kernel, against the bf16 peak",
+                note="One layer's dense attention call per profiled kernel-bench row: prefix kernel (HOT slab), suffix "
+                     "kernel (COLD pool), merges, glue kernels and launch gaps, in us per call; the prefix kernel's "
+                     "TFLOP/s as a share of the datasheet bf16 peak and of the bench's measured GEMM peak; the "
+                     "suffix kernel's TB/s; the call's roofline. Target at Llama-3.1-8B, Lp=16K, B=256: prefix "
+                     "kernel <= 135 us and >= 65% of peak (meets_target). Module docstring: analysis/prefix_kernel.py.")
+    return t

@@ -12,79 +12,24 @@ Writes tables/profiler.{csv,md} and figures/profiler.{png,pdf}.
 """
 from __future__ import annotations
 
-import gzip
-import json
-import re
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from analysis.common import (NOT_MEASURED, identity, placeholder_figure, plt, save_figure,
-                             sort_rows, with_derived, write_table)
+from analysis.common import NOT_MEASURED, identity, placeholder_figure, plt, save_figure, sort_rows, write_table
 from analysis.load import Results
+from analysis.measures.traces import eager_steps, trace_frame
+from analysis.paper import paper_claims
+from analysis.plots import gpu_names, mark_paper, system_colors, system_order, title_of
+from analysis.registry import register_exhibit
+
+
 
 NAME = "profiler"
 FIGURES = (NAME,)
-ATTENTION_KERNEL = re.compile(r"Decode|Prefill|MergeState|merge_state|[Aa]ttention|[Cc]ascade|flash", re.ASCII)
-ANNOTATION = "prefix_attention"
 PROFILED_CONFIGS = ("llama3_8b TP=1", "qwen25_32b TP=4")  # the two configs B.3 traces
 B3_POINT = {"workload.prefix_len": 8192, "workload.batch": 256}
-
-
-def trace_times(path: Path) -> dict[str, float]:
-    """``{kernel_ms, attention_ms, source}`` of one torch.profiler trace (see the module docstring);
-    parsed once per file version (traces are large and several modules read them)."""
-    st = Path(path).stat()
-    return dict(_trace_times(str(path), st.st_mtime_ns, st.st_size))
-
-
-@lru_cache(maxsize=256)
-def _trace_times(path: str, mtime_ns: int, size: int) -> dict[str, float]:
-    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
-        trace = json.load(f)
-    events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
-    kernels = [e for e in events if e.get("ph") == "X" and str(e.get("cat", "")).lower() == "kernel"]
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
-                   if e.get("ph") == "X" and e.get("cat") == "gpu_user_annotation"
-                   and str(e.get("name", "")).startswith(ANNOTATION))
-    if not kernels:  # a CPU run: torch.profiler saw no GPU kernels
-        return {"kernel_ms": float("nan"), "attention_ms": float("nan"), "source": "no GPU kernel events"}
-    total = sum(e.get("dur", 0) for e in kernels) / 1e3
-    if spans:
-        def inside(e):
-            return any(a <= e["ts"] < b for a, b in spans)
-        attn, source = sum(e.get("dur", 0) for e in kernels if inside(e)) / 1e3, "annotation"
-    else:
-        attn = sum(e.get("dur", 0) for e in kernels if ATTENTION_KERNEL.search(str(e.get("name", "")))) / 1e3
-        source = "kernel names"
-    return {"kernel_ms": total, "attention_ms": attn, "source": source}
-
-
-def trace_frame(res: Results) -> pd.DataFrame:
-    """One row per profiled serving cell that has a trace.json: its config plus trace_times()."""
-    cells = with_derived(res.cells)
-    if cells.empty or "profile_steps" not in cells.columns:
-        return pd.DataFrame()
-    prof = cells[(cells["kind"] == "serving") & (cells["profile_steps"].fillna(0) > 0)]
-    rows = []
-    for _, r in prof.iterrows():
-        found = [Path(res.root) / r["path"] / n for n in ("trace.json.gz", "trace.json")]
-        p = next((f for f in found if f.exists()), None)
-        if p is not None:
-            rows.append({**r.to_dict(), **trace_times(p)})
-    df = pd.DataFrame(rows)
-    if not df.empty:
-        df["share"] = df["attention_ms"] / df["kernel_ms"]
-    return df
-
-
-def eager_steps(cells: pd.DataFrame) -> pd.Series:
-    """Per cell: its decode steps ran without CUDA graphs (``hardware.cuda_graph_max_bs`` = 0)."""
-    if "hardware.cuda_graph_max_bs" not in cells.columns:
-        return pd.Series(False, index=cells.index)
-    return pd.to_numeric(cells["hardware.cuda_graph_max_bs"], errors="coerce").fillna(1) == 0
 
 
 def graph_traces(tf: pd.DataFrame) -> pd.DataFrame:
@@ -106,6 +51,43 @@ def at_b3_point(t: pd.DataFrame) -> pd.DataFrame:
     return t[keep]
 
 
+def draw(m: pd.DataFrame, tf: pd.DataFrame, out: Path) -> None:
+    """Left: prefix-attention kernel time per system and configuration; right: sglang_default's over each
+    system's, with the paper's SGLang-Cascade values."""
+    configs = sorted(m["config"].dropna().unique())
+    systems = system_order(m["system"].unique())
+    colors = system_colors(systems)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 0.5 * len(configs) * len(systems) / 2 + 2.4))
+    h = 0.8 / len(systems)
+    for j, s_ in enumerate(systems):
+        g = m[m["system"] == s_].set_index("config")
+        ys = [i - 0.4 + h * (j + 0.5) for i in range(len(configs))]
+        a1.barh(ys, [float(g["attention_ms"].get(c, np.nan)) for c in configs], h, color=colors[s_], label=s_)
+        if s_ != "sglang_default":
+            a2.barh(ys, [float(g["default_over_system"].get(c, np.nan)) for c in configs], h, color=colors[s_],
+                    label=s_)
+    pc = paper_claims(["profiler_cascade_llama8b", "profiler_cascade_qwen32b"])
+    first = True
+    others = [s_ for s_ in systems if s_ != "sglang_default"]
+    for _, p in pc.iterrows():
+        if p["config"] in configs and p["system"] in others:
+            j = systems.index(p["system"])
+            mark_paper(a2, p["value"], configs.index(p["config"]) - 0.4 + h * (j + 0.5), label=first)
+            first = False
+    for ax in (a1, a2):
+        ax.set_yticks(range(len(configs)), configs, fontsize=8)
+        ax.invert_yaxis()
+        ax.legend(fontsize=7)
+    a2.axvline(1.0, color="grey", lw=0.8, ls="--")
+    a1.set_xlabel("prefix-attention kernel time in the profiled window (ms)")
+    a2.set_xlabel("sglang_default's prefix-attention time / this system's")
+    fig.suptitle(title_of("torch.profiler, B=256, Lp=8K (rank 0's trace)", gpu_names(tf), configs), fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, NAME, out, data=m[["config", "system", "n", "attention_ms", "kernel_ms", "share",
+                                        "default_over_system"]])
+
+
+@register_exhibit(NAME, figures=FIGURES)
 def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     """Write this module's table (and, unless ``figures`` is False, its figures); return the table."""
     tf = graph_traces(trace_frame(res))
@@ -145,40 +127,3 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
         return t
     draw(at_b3_point(m), at_b3_point(tf), out)
     return t
-
-
-def draw(m: pd.DataFrame, tf: pd.DataFrame, out: Path) -> None:
-    """Left: prefix-attention kernel time per system and configuration; right: sglang_default's over each
-    system's, with the paper's SGLang-Cascade values."""
-    from analysis.plots import gpu_names, mark_paper, paper_claims, system_colors, system_order, title_of
-    configs = sorted(m["config"].dropna().unique())
-    systems = system_order(m["system"].unique())
-    colors = system_colors(systems)
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 0.5 * len(configs) * len(systems) / 2 + 2.4))
-    h = 0.8 / len(systems)
-    for j, s_ in enumerate(systems):
-        g = m[m["system"] == s_].set_index("config")
-        ys = [i - 0.4 + h * (j + 0.5) for i in range(len(configs))]
-        a1.barh(ys, [float(g["attention_ms"].get(c, np.nan)) for c in configs], h, color=colors[s_], label=s_)
-        if s_ != "sglang_default":
-            a2.barh(ys, [float(g["default_over_system"].get(c, np.nan)) for c in configs], h, color=colors[s_],
-                    label=s_)
-    pc = paper_claims(["profiler_cascade_llama8b", "profiler_cascade_qwen32b"])
-    first = True
-    others = [s_ for s_ in systems if s_ != "sglang_default"]
-    for _, p in pc.iterrows():
-        if p["config"] in configs and p["system"] in others:
-            j = systems.index(p["system"])
-            mark_paper(a2, p["value"], configs.index(p["config"]) - 0.4 + h * (j + 0.5), label=first)
-            first = False
-    for ax in (a1, a2):
-        ax.set_yticks(range(len(configs)), configs, fontsize=8)
-        ax.invert_yaxis()
-        ax.legend(fontsize=7)
-    a2.axvline(1.0, color="grey", lw=0.8, ls="--")
-    a1.set_xlabel("prefix-attention kernel time in the profiled window (ms)")
-    a2.set_xlabel("sglang_default's prefix-attention time / this system's")
-    fig.suptitle(title_of("torch.profiler, B=256, Lp=8K (rank 0's trace)", gpu_names(tf), configs), fontsize=10)
-    fig.tight_layout()
-    save_figure(fig, NAME, out, data=m[["config", "system", "n", "attention_ms", "kernel_ms", "share",
-                                        "default_over_system"]])

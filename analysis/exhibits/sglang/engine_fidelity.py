@@ -15,18 +15,20 @@ Writes tables/engine_fidelity.{csv,md} and figures/engine_fidelity.{png,pdf,csv}
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from analysis.common import (LPS, NOT_MEASURED, THROUGHPUT, aggregate, save_figure, select, sort_rows, with_derived,
-                             write_table)
-from analysis.load import TOKEN_LISTS, Results, read_rows
-from analysis.in_sglang import plugin_counters as in_sglang_counters, prefer_current
+from analysis.common import (LPS, NOT_MEASURED, THROUGHPUT, aggregate, placeholder_figure, save_figure, select,
+                             sort_rows, with_derived, write_table)
+from analysis.load import Results, TOKEN_LISTS, read_rows
+from analysis.measures.sglang import plugin_counters as in_sglang_counters, prefer_current
 from analysis.plots import gpu_names, lp_axis, system_colors, title_of
+from analysis.registry import register_exhibit
+
+
 
 NAME = "engine_fidelity"
 FIGURES = ("engine_fidelity",)
@@ -117,33 +119,9 @@ def plugin_counters(df: pd.DataFrame, key: tuple) -> dict:
     return {"plugin_dense_rows": c["rows_dense"], "plugin_plan_us": c["plan_us"], "plugin_dispatch_us": c["dispatch_us"]}
 
 
-def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
-    """Write this module's table (and, unless ``figures`` is False, its figure); return the table."""
-    t = fidelity_table(res)
-    write_table(t, NAME, out, {"real_tok_s": 0, "real_min": 0, "real_max": 0, "ours_tok_s": 0, "granikv_tok_s": 0,
-                               "ours/real": 3, "granikv/real": 2, "tpot ours/real": 3, "ttft ours/real": 3,
-                               "real_tpot_p50_ms": 1, "ours_tpot_p50_ms": 1, "real_ttft_p50_ms": 0, "ours_ttft_p50_ms": 0,
-                               "real_ttft_first5_ms": 1, "ours_ttft_first5_ms": 1,
-                               "plugin_tok_s": 0, "plugin/real": 2, "plugin_dense_rows": 2, "plugin_plan_us": 0,
-                               "plugin_dispatch_us": 1},
-                title="Engine fidelity: real SGLang (sglang_server) vs our engine's sglang_default, Llama-3.1-8B TP=1",
-                note="ours/real > 1: our baseline is faster than real SGLang. within_10pct: |ours/real - 1| <= 0.10 "
-                     "(output throughput). granikv/real: GraniKV (engine) over real SGLang. Means over repetitions "
-                     "(n per system); real SGLang's min/max span its repetitions. Real SGLang is timed at its streaming "
-                     "HTTP client, the engine in-process; both through granikv.metrics. plugin: GraniKV inside real "
-                     "SGLang (sglang_server_granikv: the granikv attention and radix cache backends, breakable decode "
-                     "CUDA graphs), same client; plugin/real over real SGLang default; plugin_dense_rows: share of its "
-                     "decode rows whose prefix took the dense path; plugin_plan_us / plugin_dispatch_us: host time per "
-                     "planned decode step (whole plan / the dispatcher's choices), from the plugin's own counters.")
-    if figures:
-        draw(t, res, out)
-    return t
-
-
 def draw(t: pd.DataFrame, res: Results, out: Path) -> None:
     h = t[(t["workload.kind"] == "sharegpt") & (t["status"] == "measured")] if not t.empty else t
     if h.empty:
-        from analysis.common import placeholder_figure
         placeholder_figure(NAME, out, "no sglang_server cells on the headline workload")
         return
     h = h.sort_values("workload.prefix_len")
@@ -184,25 +162,25 @@ def draw(t: pd.DataFrame, res: Results, out: Path) -> None:
                                         "granikv_tok_s", "plugin_tok_s", "ours/real", "granikv/real", "plugin/real"]])
 
 
-def provenance_line(res: Results) -> str:
-    """The REPORT's provenance of the cells served by real SGLang (``sglang_server`` and the plugin's
-    ``sglang_server_*`` systems): versions, the server's flags, code version."""
-    c = select(with_derived(res.cells), {"system": f"~{REAL}"}) if not res.cells.empty else res.cells
-    if c.empty:
-        return ""
-    per = ", ".join(f"{s} {n}" for s, n in sorted(c["system"].value_counts().items()))
-
-    def vals(col: str) -> str:
-        return ", ".join(sorted({str(v) for v in c[col].dropna()})) if col in c.columns else "?"
-
-    pk = [k for k in c.columns if k.startswith("provenance.engine.packages.")]
-    pkgs = "; ".join(f"{k.rsplit('.', 1)[-1]} {vals(k)}" for k in sorted(pk))
-    dirty = sorted({f for v in c.get("provenance.git_dirty_files", pd.Series(dtype=object)).dropna()
-                    for f in (json.loads(v) if isinstance(v, str) and v.startswith("[") else
-                              v if isinstance(v, list) else [v])})
-    return (f"Real SGLang cells (`sglang_server`, and the plugin's systems inside it): {len(c)} ({per}), "
-            f"SGLang {vals('provenance.sglang')} on "
-            f"{vals('provenance.gpu_name')} (its python's packages: {pkgs or '?'}); the server's command line and "
-            f"resolved `/server_info` are in each cell's config.json (`provenance.engine`). Code: "
-            f"{vals('provenance.git_commit')}, with uncommitted changes only in {', '.join(dirty) or 'no file'} "
-            "(`provenance.git_dirty_files`).")
+@register_exhibit(NAME, figures=FIGURES)
+def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
+    """Write this module's table (and, unless ``figures`` is False, its figure); return the table."""
+    t = fidelity_table(res)
+    write_table(t, NAME, out, {"real_tok_s": 0, "real_min": 0, "real_max": 0, "ours_tok_s": 0, "granikv_tok_s": 0,
+                               "ours/real": 3, "granikv/real": 2, "tpot ours/real": 3, "ttft ours/real": 3,
+                               "real_tpot_p50_ms": 1, "ours_tpot_p50_ms": 1, "real_ttft_p50_ms": 0, "ours_ttft_p50_ms": 0,
+                               "real_ttft_first5_ms": 1, "ours_ttft_first5_ms": 1,
+                               "plugin_tok_s": 0, "plugin/real": 2, "plugin_dense_rows": 2, "plugin_plan_us": 0,
+                               "plugin_dispatch_us": 1},
+                title="Engine fidelity: real SGLang (sglang_server) vs our engine's sglang_default, Llama-3.1-8B TP=1",
+                note="ours/real > 1: our baseline is faster than real SGLang. within_10pct: |ours/real - 1| <= 0.10 "
+                     "(output throughput). granikv/real: GraniKV (engine) over real SGLang. Means over repetitions "
+                     "(n per system); real SGLang's min/max span its repetitions. Real SGLang is timed at its streaming "
+                     "HTTP client, the engine in-process; both through granikv.metrics. plugin: GraniKV inside real "
+                     "SGLang (sglang_server_granikv: the granikv attention and radix cache backends, breakable decode "
+                     "CUDA graphs), same client; plugin/real over real SGLang default; plugin_dense_rows: share of its "
+                     "decode rows whose prefix took the dense path; plugin_plan_us / plugin_dispatch_us: host time per "
+                     "planned decode step (whole plan / the dispatcher's choices), from the plugin's own counters.")
+    if figures:
+        draw(t, res, out)
+    return t

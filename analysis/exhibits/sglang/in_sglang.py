@@ -29,29 +29,23 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.common import (NOT_MEASURED, NULL, THROUGHPUT, aggregate, identity, placeholder_figure, plt, save_figure,
-                             select, sort_rows, with_derived, write_table)
+from analysis.common import (NOT_MEASURED, THROUGHPUT, aggregate, placeholder_figure, plt, save_figure, select,
+                             sort_rows, with_derived, write_table)
 from analysis.load import Results
-from analysis.plots import gpu_names, lp_axis, mark_paper, paper_claims, system_colors, title_of
+from analysis.measures.sglang import BASE, PATHS, STAGES, SYSTEMS, VARIANTS, plugin_counters, variant_keys
+from analysis.paper import paper_claims
+from analysis.plots import gpu_names, lp_axis, mark_paper, system_colors, title_of
+from analysis.registry import register_exhibit
+
+
 
 NAME = "in_sglang"
 FIGURES = (NAME,)
-# paper name -> (system inside real SGLang, system in our engine)
-SYSTEMS = {"sglang_default": ("sglang_server", "sglang_default"),
-           "sglang_cascade": ("sglang_server_cascade", "sglang_cascade"),
-           "hydragen": ("sglang_server_hydragen", "hydragen"),
-           "granikv": ("sglang_server_granikv", "granikv")}
-BASE = "sglang_default"
 COMMON = {"model.name": "=llama3_8b", "tp": "=1", "workload.batch": "=256", "instrumented": "=False"}
 SETS = {"headline": {"workload.kind": "=sharegpt", "workload.num_prefixes": "=1", "hardware.name": "=h200"},
         "hetero k=4": {"workload.kind": "=multiprefix", "workload.prefix_lens": "=notnull",
                        "workload.num_prefixes": "=4", "hardware.name": "=a100_40gb"}}
 HEADLINE_LPS = (512, 2048, 8192, 16384)      # the Lp every in-SGLang system is planned at
-PATHS = ("dense", "cascade", "hydragen", "paged")
-STAGES = ("prefix", "index", "make", "load", "dispatch")
-# the plugin settings a row is split by (never pooled across), and today's values
-# (conf/system/sglang_server_{cascade,hydragen,granikv}.yaml): cascade_impl for SGLang-Cascade only
-VARIANTS = {"cascade_impl": "composed", "decode_plan": "fast"}
 COLS = ["set", "workload.prefix_len", "system", "cascade_impl", "decode_plan", "n_sglang", "sglang_tok_s", "sglang_x", "n_engine", "engine_tok_s",
         "engine_x", "sglang_itl_p50_ms", "sglang_ttft_p50_ms", *[f"rows_{p}" for p in PATHS], "plan_us",
         *[f"{s}_us" for s in STAGES], "status"]
@@ -60,27 +54,6 @@ COLS = ["set", "workload.prefix_len", "system", "cascade_impl", "decode_plan", "
 def _mean(df: pd.DataFrame, system: str, metric: str) -> tuple[float, int]:
     a = aggregate(df[df["system"] == system], ["system"], metric)
     return (float(a["mean"].iloc[0]), int(a["n"].iloc[0])) if len(a) else (np.nan, 0)
-
-
-def plugin_counters(cells: pd.DataFrame) -> dict:
-    """The plugin's counters summed over ``cells`` (one system and point): row shares by path and host
-    microseconds per split step (NaN where not recorded; see the module docstring)."""
-    out = {**{f"rows_{p}": np.nan for p in PATHS}, "plan_us": np.nan, **{f"{s}_us": np.nan for s in STAGES}}
-    if cells.empty or "plugin.steps" not in cells.columns:
-        return out
-    rec = cells[cells["plugin.steps"].fillna(0) > 0]      # a window with no step counted recorded nothing
-    if rec.empty:
-        return out
-    rows = {p: rec.get(f"plugin.rows.{p}", pd.Series(0.0, index=rec.index)).fillna(0).sum() for p in PATHS}
-    total = sum(rows.values())
-    steps = rec["plugin.split_steps"].fillna(0).sum()
-    if total:
-        out.update({f"rows_{p}": rows[p] / total for p in PATHS})
-    if steps:
-        for col, key in [("plan_us", "plugin.plan_us")] + [(f"{s}_us", f"plugin.{s}_us") for s in STAGES]:
-            if key in rec.columns and rec[key].notna().all():
-                out[col] = float(rec[key].sum()) / steps
-    return out
 
 
 def in_sglang_table(res: Results) -> pd.DataFrame:
@@ -114,13 +87,6 @@ def in_sglang_table(res: Results) -> pd.DataFrame:
     return sort_rows(pd.DataFrame(rows, columns=COLS), ["set", "workload.prefix_len", "system", *VARIANTS])
 
 
-def variant_keys(paper: str) -> list[str]:
-    """The VARIANTS keys that split ``paper``'s in-SGLang rows (none for SGLang default)."""
-    if paper == BASE:
-        return []
-    return [k for k in VARIANTS if k != "cascade_impl" or paper == "sglang_cascade"]
-
-
 def variants(ours: pd.DataFrame, paper: str) -> list[tuple[dict, pd.DataFrame]]:
     """``ours`` (one system's cells at one point) split by the plugin settings it ran with: one
     (values, cells) per distinct combination, today's first; ("", ...) for a key that does not
@@ -139,56 +105,9 @@ def variants(ours: pd.DataFrame, paper: str) -> list[tuple[dict, pd.DataFrame]]:
     return out
 
 
-def prefer_current(cells: pd.DataFrame, config_cols) -> pd.DataFrame:
-    """``cells`` without the in-SGLang plugin cells that ran with other plugin settings (VARIANTS)
-    than today's, where the same configuration otherwise (every identity column but those settings)
-    has a cell with today's: the claims measure today's plugin, and never pool across its settings.
-    A configuration measured only with older settings keeps its cells (the table names them)."""
-    if cells.empty or "system.name" not in cells.columns:
-        return cells
-    systems = cells["system.name"].astype(str)
-    plug = systems.isin([s for p, (s, _) in SYSTEMS.items() if p != BASE])
-    var_cols = [f"system.{k}" for k in VARIANTS if f"system.{k}" in cells.columns]
-    if not plug.any() or not var_cols:
-        return cells
-    current = pd.Series(True, index=cells.index)
-    for k, today in VARIANTS.items():
-        col = f"system.{k}"
-        if col in cells.columns:
-            applies = systems == SYSTEMS["sglang_cascade"][0] if k == "cascade_impl" else pd.Series(True, index=cells.index)
-            current &= ~applies | (cells[col].astype(str) == today)
-    keys = [c for c in identity(cells, config_cols) if c not in var_cols]
-    group = cells[keys].astype(object).where(cells[keys].notna(), NULL).astype(str).agg("|".join, axis=1)
-    with_current = set(group[plug & current])
-    return cells[~(plug & ~current & group.isin(with_current))]
-
-
 def is_current(row: pd.Series) -> bool:
     """Whether a table row ran with today's plugin settings (VARIANTS; "" = does not apply)."""
     return all(row[k] in ("", v) for k, v in VARIANTS.items())
-
-
-def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
-    """Write this module's table (and, unless ``figures`` is False, its figure); return the table."""
-    t = in_sglang_table(res)
-    write_table(t, NAME, out, {"sglang_tok_s": 0, "engine_tok_s": 0, "sglang_x": 2, "engine_x": 2,
-                               "sglang_itl_p50_ms": 1, "sglang_ttft_p50_ms": 0, **{f"rows_{p}": 2 for p in PATHS},
-                               "plan_us": 0, **{f"{s}_us": 0 for s in STAGES}},
-                title="The four systems inside real SGLang (granikv plugin) and in our engine, Llama-3.1-8B TP=1, B=256",
-                note="sglang_x: output throughput over real SGLang default (sglang_server) on the same requests; "
-                     "engine_x: the engine's system over the engine's sglang_default. rows_*: share of the plugin's "
-                     "decode rows by path; plan_us: host time per planned decode step (prefix read + KV index list + "
-                     "step plan + FlashInfer's plan calls), then by stage (make includes the dispatcher, dispatch); "
-                     "cascade_impl: the GPU path SGLang-Cascade ran inside SGLang (the engine's runs composed: "
-                     "batch prefill + tensor-core decode + merge; multilevel: FlashInfer's MultiLevelCascadeAttentionWrapper, "
-                     "slower in kernel and plan time); decode_plan: how the plugin re-planned FlashInfer's decode "
-                     "wrappers each step (fast: FlashInfer's fast_decode_plan, as SGLang's own backend; flashinfer: "
-                     "the wrapper's plan(), a Python max() over the batch included); one row per setting, never pooled; "
-                     "NaN: not recorded. headline: ShareGPT, one shared prefix, H200 KV budget; hetero k=4: prefixes "
-                     "2K/4K/8K/16K, burst, A100-40GB KV budget (Lp column: the workload's nominal Lp).")
-    if figures:
-        draw(t, res, out)
-    return t
 
 
 def draw(t: pd.DataFrame, res: Results, out: Path) -> None:
@@ -246,50 +165,25 @@ def draw(t: pd.DataFrame, res: Results, out: Path) -> None:
                                         "engine_tok_s", "engine_x"]])
 
 
-def prefilled_tokens(res: Results, path: str) -> float:
-    """Prompt tokens a server cell prefilled (its log's prefill batches, ``#new-token``), NaN without them."""
-    from analysis.load import load_steps
-    s = load_steps(Path(res.root) / path)
-    if s.empty or "kind" not in s.columns or "new_token" not in s.columns:
-        return np.nan
-    return float(pd.to_numeric(s.loc[s["kind"] == "prefill", "new_token"], errors="coerce").sum())
-
-
-def claim_line(res: Results, claim: pd.Series) -> str:
-    """Why an in-SGLang claim lands where it does, from its own cells: the claim's system against its
-    baseline system at the claim's point (ITL and TTFT p50, prompt tokens prefilled), and the plugin's
-    counters (dense-row share, host plan per planned step), and the cells of the claim's system that
-    ran with earlier plugin settings, which the claim does not use. Empty where a side has no cell."""
-    from analysis.common import parse_selectors
-    sel, base = parse_selectors(claim["selectors"]), parse_selectors(claim["baseline"])
-    every = with_derived(res.cells) if not res.cells.empty else res.cells
-    cells = prefer_current(every, res.config_columns) if not res.cells.empty else res.cells
-    mine = select(cells, {**sel, "instrumented": "=False"}) if not cells.empty else cells
-    theirs = select(cells, {**sel, **base, "instrumented": "=False"}) if not cells.empty else cells
-    if mine.empty or theirs.empty:
-        return ""
-    a, b = mine["system"].iloc[0], theirs["system"].iloc[0]
-
-    def avg(df, col):
-        return float(pd.to_numeric(df[col], errors="coerce").mean()) if col in df.columns else np.nan
-
-    pre_a, pre_b = ([prefilled_tokens(res, p) for p in df["path"]] if "path" in df.columns else [np.nan]
-                    for df in (mine, theirs))
-    pre_a, pre_b = (float(np.mean(v)) for v in (pre_a, pre_b))
-    pc = plugin_counters(mine)
-    line = (f"Inside SGLang, {a} against {b}: ITL p50 {avg(mine, 'itl_p50_ms'):.1f} vs {avg(theirs, 'itl_p50_ms'):.1f} ms, "
-            f"TTFT p50 {avg(mine, 'ttft_p50_ms'):.0f} vs {avg(theirs, 'ttft_p50_ms'):.0f} ms, prompt tokens prefilled "
-            f"{pre_a:.0f} vs {pre_b:.0f} (the servers' prefill batches)").replace("prefilled nan vs nan", "prefilled: not logged")
-    if np.isfinite(pc["plan_us"]):
-        shares = ", ".join(f"{pc[f'rows_{p}']:.1%} {p}" for p in PATHS if pc[f"rows_{p}"] > 0)
-        line += f"; the plugin's decode rows: {shares}, host plan {pc['plan_us']:.0f} us per planned step"
-    older = select(every, {**sel, "instrumented": "=False"})
-    older = older[~older.index.isin(mine.index)]
-    if not older.empty:
-        real = avg(theirs, THROUGHPUT)
-        paper = next((p for p, (s_, _) in SYSTEMS.items() if s_ == a), BASE)
-        keys = [f"system.{k}" for k in variant_keys(paper) if f"system.{k}" in older.columns]
-        said = [f"{', '.join(f'{k[7:]}={r[k]}' for k in keys if r[k] not in ('', None) and r[k] == r[k])}: "
-                f"{r[THROUGHPUT]:.0f} tok/s ({r[THROUGHPUT] / real:.2f}x)" for _, r in older.iterrows()]
-        line += "; not used, measured with earlier plugin settings: " + "; ".join(said)
-    return line + " (tables/in_sglang)."
+@register_exhibit(NAME, figures=FIGURES)
+def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
+    """Write this module's table (and, unless ``figures`` is False, its figure); return the table."""
+    t = in_sglang_table(res)
+    write_table(t, NAME, out, {"sglang_tok_s": 0, "engine_tok_s": 0, "sglang_x": 2, "engine_x": 2,
+                               "sglang_itl_p50_ms": 1, "sglang_ttft_p50_ms": 0, **{f"rows_{p}": 2 for p in PATHS},
+                               "plan_us": 0, **{f"{s}_us": 0 for s in STAGES}},
+                title="The four systems inside real SGLang (granikv plugin) and in our engine, Llama-3.1-8B TP=1, B=256",
+                note="sglang_x: output throughput over real SGLang default (sglang_server) on the same requests; "
+                     "engine_x: the engine's system over the engine's sglang_default. rows_*: share of the plugin's "
+                     "decode rows by path; plan_us: host time per planned decode step (prefix read + KV index list + "
+                     "step plan + FlashInfer's plan calls), then by stage (make includes the dispatcher, dispatch); "
+                     "cascade_impl: the GPU path SGLang-Cascade ran inside SGLang (the engine's runs composed: "
+                     "batch prefill + tensor-core decode + merge; multilevel: FlashInfer's MultiLevelCascadeAttentionWrapper, "
+                     "slower in kernel and plan time); decode_plan: how the plugin re-planned FlashInfer's decode "
+                     "wrappers each step (fast: FlashInfer's fast_decode_plan, as SGLang's own backend; flashinfer: "
+                     "the wrapper's plan(), a Python max() over the batch included); one row per setting, never pooled; "
+                     "NaN: not recorded. headline: ShareGPT, one shared prefix, H200 KV budget; hetero k=4: prefixes "
+                     "2K/4K/8K/16K, burst, A100-40GB KV budget (Lp column: the workload's nominal Lp).")
+    if figures:
+        draw(t, res, out)
+    return t
