@@ -23,6 +23,9 @@ import pandas as pd
 
 from analysis.common import NULL, identity, with_derived
 from analysis.load import Results
+from runners.campaign import expand, load_campaign
+
+
 
 CAPTURE_LIMIT = 0.01   # capture time / run time at which a repetition counts as affected (REPORT's capture_check too)
 
@@ -65,7 +68,6 @@ def config_keys(c: pd.DataFrame, config_columns) -> pd.Series:
 
 def supersessions(campaign=None) -> dict[str, list[str]]:
     """Sweep folder -> the older sweep folders whose cells it replaces (conf/campaign.yaml ``supersedes``)."""
-    from runners.campaign import expand, load_campaign
 
     out: dict[str, list[str]] = {}
     for item in load_campaign() if campaign is None else campaign:

@@ -7,6 +7,7 @@ Tables are written with fixed float formatting and sorted rows, so they are byte
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -16,6 +17,7 @@ from typing import Iterable
 
 import numpy as np
 import pandas as pd
+
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 import matplotlib  # noqa: E402
@@ -46,6 +48,20 @@ SHORT = {"model.name": "model", "tp": "tp", "workload.prefix_len": "Lp", "worklo
          "workload.num_prefixes": "k", "hardware.name": "hardware", "workload.kind": "workload"}
 THROUGHPUT = "output_throughput_tok_s"
 NULL = "<null>"  # stands for a missing config value in group keys (pandas drops NaN keys otherwise)
+# the workload cells of the headline sweep and of the synthetic grid (B.1)
+HEADLINE_CELLS = {"workload.kind": "=sharegpt", "workload.batch": "=256", "workload.num_prefixes": "=1"}
+THROUGHPUT_DIGITS = {"mean": 1, "sd": 1, "min": 1, "max": 1, "tpot_p50_ms": 2, "ttft_p50_ms": 1}
+GRID_CELLS = {"workload.kind": "=synthetic", "workload.num_prefixes": "=1"}
+
+
+# GPU vendor datasheet peaks (dense, no sparsity), used where the cell's hardware preset leaves
+# peak_tflops / peak_tbps unset (0.0). Not measurements.
+#   NVIDIA H200 SXM (H200 datasheet): 989 TFLOP/s BF16 dense tensor core (1,979 with sparsity), 4.8 TB/s HBM3e.
+#   NVIDIA A100 SXM4 40GB (A100 datasheet): 312 TFLOP/s BF16 dense tensor core, 1,555 GB/s HBM2.
+H200_PEAK_TFLOPS, H200_PEAK_TBPS = 989.0, 4.8
+A100_40GB_PEAK_TFLOPS, A100_40GB_PEAK_TBPS = 312.0, 1.555
+VENDOR_PEAKS = {"NVIDIA H200": (H200_PEAK_TFLOPS, H200_PEAK_TBPS),
+                "NVIDIA A100-SXM4-40GB": (A100_40GB_PEAK_TFLOPS, A100_40GB_PEAK_TBPS)}
 
 
 def with_derived(cells: pd.DataFrame) -> pd.DataFrame:
@@ -295,7 +311,6 @@ def json_digest(v: object) -> object:
     """A JSON list as ``<n> rules #<sha1[:8]>`` (other values unchanged)."""
     if not isinstance(v, str) or not v.startswith("["):
         return v
-    import hashlib
 
     try:
         n = len(json.loads(v))
@@ -358,3 +373,14 @@ def placeholder_figure(name: str, out: Path, why: str) -> None:
     ax.axis("off")
     ax.text(0.5, 0.5, f"{name}: {NOT_MEASURED}\n{why}", ha="center", va="center", wrap=True)
     save_figure(fig, name, out)
+
+
+def norm_value(v):
+    """Config values as the raw results and the plan both give them: numbers as float, NaN/None as None."""
+    if v is None or (isinstance(v, (float, np.floating)) and math.isnan(v)):
+        return None
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    if isinstance(v, (int, float, np.integer, np.floating)):
+        return float(v)
+    return v

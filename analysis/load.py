@@ -22,13 +22,11 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 
-from granikv.rawio import (CELL_KINDS, PROVENANCE_KEYS, REQUIRED_FILES, SERVING_METRICS, SchemaError,
-                           data_path, read_json, read_jsonl)
-from granikv.rawio import exists as rawio_exists
+from granikv.rawio import (CELL_KINDS, PROVENANCE_KEYS, REQUIRED_FILES, SERVING_METRICS, SchemaError, applicable_table,
+                           data_path, exists as rawio_exists, flatten, read_json, read_jsonl)
 
 CELL_MARKERS = ("config.json", "metrics.json", "failure.json")
 
@@ -45,21 +43,6 @@ class Results:
     kernel_columns: list[str] = field(default_factory=list)  # fields of kernel.jsonl rows
     # finished serving cells left out of the tables and claims (analysis.clean.prefer_clean), with why
     set_aside: pd.DataFrame = field(default_factory=pd.DataFrame)
-
-
-def flatten(obj: dict, prefix: str = "") -> dict[str, Any]:
-    """Nested dicts -> one level with dotted keys; lists become JSON text (hashable, sortable)."""
-    out: dict[str, Any] = {}
-    for k in sorted(obj):
-        v = obj[k]
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, key + "."))
-        elif isinstance(v, (list, tuple)):
-            out[key] = json.dumps(v, sort_keys=True)
-        else:
-            out[key] = v
-    return out
 
 
 def find_cells(root: str | Path) -> list[Path]:
@@ -101,24 +84,6 @@ def _read_config(path: Path) -> dict:
             wl.update({k: bench[k] for k in ("prefix_len", "batch", "suffix_len", "output_len") if k in bench})
             cfg = {**cfg, "workload": wl}
     return cfg
-
-
-def applicable_table(config: dict) -> dict:
-    """``config`` with ``hardware.decision_table`` cut to the rules the cell's dispatcher could use
-    (its GPU and per-rank attention shape, granikv.attention.dispatch.rule_applies): the preset's
-    table gains rules for other shapes as they are calibrated, which never change a run, and must not
-    tell two otherwise equal configurations apart."""
-    hw, model, tp = config.get("hardware"), config.get("model"), config.get("tp")
-    if not (isinstance(hw, dict) and isinstance(model, dict) and isinstance(hw.get("decision_table"), list)
-            and isinstance(tp, int) and tp > 0
-            and all(isinstance(model.get(k), int) for k in ("num_heads", "num_kv_heads", "head_dim"))):
-        return config
-    from granikv.attention.dispatch import rule_applies
-
-    gpu = hw.get("gpu_name") or (config.get("provenance") or {}).get("gpu_name") or ""
-    shape = (model["num_heads"] // tp, model["num_kv_heads"] // tp, model["head_dim"])
-    rules = [r for r in hw["decision_table"] if isinstance(r, dict) and rule_applies(r, gpu, shape)]
-    return {**config, "hardware": {**hw, "decision_table": rules}}
 
 
 def cell_kind(cell: Path, config: dict) -> str:

@@ -3,13 +3,20 @@ lines over Lp, and what every figure carries: a title naming the GPU and the mod
 drawn, Lp ticks 512 ... 16K, and the paper's values (results/paper/claims.csv) where it has one."""
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import seaborn as sns
+from matplotlib.colors import LogNorm, Normalize
 
-from analysis.common import NOT_MEASURED, PAPER_HARDWARE, SHORT, parse_selectors, placeholder_figure, plt, save_figure, show
+from analysis.common import NOT_MEASURED, PAPER_HARDWARE, SHORT, placeholder_figure, plt, save_figure, show
+
+
+
+
+
 
 sns.set_theme(style="whitegrid", context="paper")
 PAPER_STYLE = dict(marker="*", s=140, color="black", zorder=5, edgecolor="white", linewidth=0.6)
@@ -57,34 +64,6 @@ def title_of(what: str, gpu: str, configs) -> str:
     """``<what>: <GPU>, <model TP=n>[, ...]``: every figure's title names GPU, model and TP."""
     cf = [str(c) for c in dict.fromkeys(configs) if c is not None and c == c]
     return f"{what}: {gpu}" + (f", {'; '.join(cf)}" if cf else "")
-
-
-def paper_claims(ids=None) -> pd.DataFrame:
-    """results/paper/claims.csv with the selectors spelt out: ``config`` (model TP), ``lp``, ``batch``,
-    ``k``, ``hardware``, ``system`` and ``base_system`` (the baseline's system, if it names one), ``value``
-    and ``value_hi`` as numbers. ``ids``: only these claims (in claims.csv order)."""
-    from analysis.claims import load_claims
-    from analysis.common import config_label
-    c = load_claims()
-    if ids is not None:
-        c = c[c["id"].isin(list(ids))]
-    rows = []
-    for _, r in c.iterrows():
-        sel, base = parse_selectors(r["selectors"]), parse_selectors(r["baseline"])
-
-        def val(d, k):
-            v = d.get(k, "")
-            return v[1:] if v.startswith("=") else None
-        num = lambda x: float(x) if x not in (None, "") else np.nan  # noqa: E731
-        rows.append({"id": r["id"], "check": r["check"], "unit": r["unit"], "metric": r["metric"],
-                     "workload": val(sel, "workload.kind"), "statistic": r["statistic"],
-                     "config": config_label(r["model"], int(r["tp"])) if str(r["tp"]).isdigit() else None,
-                     "lp": num(val(sel, "workload.prefix_len")), "batch": num(val(sel, "workload.batch")),
-                     "k": num(val(sel, "workload.num_prefixes")), "hardware": val(sel, "hardware.name"),
-                     "system": val(sel, "system.name"), "base_system": val(base, "system.name"),
-                     "value": num(r["paper_value"]), "value_hi": num(r["paper_value_hi"])})
-    return pd.DataFrame(rows, columns=["id", "check", "unit", "metric", "workload", "statistic", "config", "lp", "batch",
-                                       "k", "hardware", "system", "base_system", "value", "value_hi"])
 
 
 def mark_paper(ax, x, y, label: bool = True, bound: str | None = None, **kw) -> None:
@@ -165,7 +144,6 @@ def draw_heatmaps(panels: list[tuple[str, pd.DataFrame]], name: str, out: Path, 
                   lp_rows: bool = True) -> None:
     """Heatmaps on one shared colour scale (centred on ``center`` when given) with one colour bar;
     ``outline_col``: a column value outlined in every panel (e.g. the paper's B=256)."""
-    from matplotlib.colors import LogNorm, Normalize
     vals = np.concatenate([p.to_numpy(dtype=float).ravel() for _, p in panels])
     vals = vals[np.isfinite(vals)]
     vmin, vmax = float(vals.min()), float(vals.max())
@@ -204,7 +182,6 @@ def draw_heatmaps(panels: list[tuple[str, pd.DataFrame]], name: str, out: Path, 
     fig.suptitle(title, fontsize=10)
     notes = [x for x in (outline_label, footnote) if x]
     if notes:
-        import textwrap
         fig.text(0.45, -0.01, "\n".join(textwrap.wrap("; ".join(notes), 150)), ha="center", va="top", fontsize=7)
     save_figure(fig, name, out, data=data)
 

@@ -1,10 +1,10 @@
 """``python -m analysis.reproduce [--results results/raw] [--out results] [--only tables|figures]``
 
-Loads every cell under ``--results`` (schema-checked), runs every table / figure module into
-``--out``/tables and ``--out``/figures, writes the campaign's coverage (``analysis.coverage``) and
+Loads every cell under ``--results`` (schema-checked), builds every registered exhibit (analysis.registry) into
+``--out``/tables and ``--out``/figures, writes the campaign's coverage (``analysis.exhibits.campaign.coverage``) and
 ``--out``/REPORT.md (claim by claim).
 ``--only tables``: tables and the report, no figures; ``--only figures``: the modules with their
-figures (and the tables they are drawn from), no report. The claim map (``analysis.claim_map``) is
+figures (and the tables they are drawn from), no report. The claim map (``analysis.exhibits.campaign.claim_map``) is
 written with the report.
 """
 from __future__ import annotations
@@ -14,33 +14,32 @@ import sys
 import time
 from pathlib import Path
 
-from analysis import (amdahl, beyond, beyond_plan, beyond_steps, claim_map, coverage, dispatch_overhead, dispatch_regret, dispatch_routing, distance_to_limit, engine_fidelity, gemm_floor,
-                      grid, headline, headline_steps, in_sglang, kernel, kernel_breakdown, limitation, multiclass,
-                      multiprefix, plan_host, prefill_host, prefix_kernel, prefill_host_ops, profiler, reruns, sharegpt_matrix)
 from analysis.clean import prefer_clean, prefer_rerun
 from analysis.load import load_results
+from analysis.exhibits import exhibits
+from analysis.report.write import write_report
 
-MODULES = (headline, engine_fidelity, in_sglang, headline_steps, prefill_host, prefill_host_ops, grid, sharegpt_matrix, multiprefix, kernel,
-           kernel_breakdown, plan_host, multiclass, prefix_kernel, amdahl, dispatch_routing, dispatch_regret, dispatch_overhead, profiler, limitation, gemm_floor, distance_to_limit, beyond,
-           beyond_steps, beyond_plan)
+EXHIBITS = exhibits("paper")
 
 
 def run(results: str | Path = "results/raw", out: str | Path = "results", only: str | None = None) -> dict:
     """Regenerate everything; returns {"tables": [...], "figures": [...], "claims": DataFrame | None}."""
     out = Path(out)
     res = prefer_clean(prefer_rerun(load_results(results)))
-    for m in MODULES:
-        m.build(res, out, figures=only != "tables")
-    coverage.build(res, out)   # bookkeeping, not a paper table: the campaign's cells against the raw results
-    reruns.build(res, out)     # bookkeeping too: superseded configurations, before and after
-    tables = [m.NAME for m in MODULES] + list(coverage.TABLES) + [reruns.NAME]
-    figs = [f for m in MODULES for f in m.FIGURES]
+    for e in EXHIBITS:
+        e.build(res, out, figures=only != "tables")
+    books = exhibits("bookkeeping")   # not paper tables: the campaign's cells and reruns against the raw results
+    for e in books:
+        e.build(res, out)
+    tables = [t for e in EXHIBITS + books for t in e.tables]
+    figs = [f for e in EXHIBITS for f in e.figures]
     ev = None
     if only != "figures":
-        from analysis.report import write_report
-        tables += list(claim_map.TABLES)
+        after = exhibits("claims")      # claim -> experiment -> command -> GPUs -> time -> output
+        tables += [t for e in after for t in e.tables]
         ev = write_report(res, out, tables + ["claims"], figs)
-        claim_map.build(res, out, ev=ev)   # claim -> experiment -> command -> GPUs -> time -> output
+        for e in after:
+            e.build(res, out, ev=ev)
     return {"tables": tables, "figures": figs, "claims": ev, "results": res}
 
 

@@ -26,6 +26,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
+from granikv.attention.dispatch import rule_applies
+
 SCHEMA_VERSION = 1
 CELL_KINDS = ("serving", "kernel", "calibration")
 REQUIRED_FILES = {
@@ -131,6 +133,37 @@ def read_jsonl(path: str | Path) -> list[dict]:
                 except json.JSONDecodeError as e:
                     raise SchemaError(f"{path}:{i}: not valid JSON ({e})") from e
     return rows
+
+
+def flatten(obj: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> one level with dotted keys; lists become JSON text (hashable, sortable)."""
+    out: dict[str, Any] = {}
+    for k in sorted(obj):
+        v = obj[k]
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        elif isinstance(v, (list, tuple)):
+            out[key] = json.dumps(v, sort_keys=True)
+        else:
+            out[key] = v
+    return out
+
+
+def applicable_table(config: dict) -> dict:
+    """``config`` with ``hardware.decision_table`` cut to the rules the cell's dispatcher could use
+    (its GPU and per-rank attention shape, granikv.attention.dispatch.rule_applies): the preset's
+    table gains rules for other shapes as they are calibrated, which never change a run, and must not
+    tell two otherwise equal configurations apart."""
+    hw, model, tp = config.get("hardware"), config.get("model"), config.get("tp")
+    if not (isinstance(hw, dict) and isinstance(model, dict) and isinstance(hw.get("decision_table"), list)
+            and isinstance(tp, int) and tp > 0
+            and all(isinstance(model.get(k), int) for k in ("num_heads", "num_kv_heads", "head_dim"))):
+        return config
+    gpu = hw.get("gpu_name") or (config.get("provenance") or {}).get("gpu_name") or ""
+    shape = (model["num_heads"] // tp, model["num_kv_heads"] // tp, model["head_dim"])
+    rules = [r for r in hw["decision_table"] if isinstance(r, dict) and rule_applies(r, gpu, shape)]
+    return {**config, "hardware": {**hw, "decision_table": rules}}
 
 
 def _git(*args: str) -> str:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import yaml
 
+from granikv.rawio import applicable_table, flatten
+
 CONF = Path(__file__).resolve().parents[1] / "conf"
 CAMPAIGN_YAML = CONF / "campaign.yaml"
 GPU_COUNTS = (1, 2, 4, 8)
@@ -188,7 +190,6 @@ def expand(item: CampaignItem, check: bool = False, every: int = 1) -> list[Plan
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from analysis.load import applicable_table, flatten
     from runners.run import ConfigError, cell_id, sweep_jobs
 
     def plan() -> list[PlannedCell]:

@@ -2,14 +2,13 @@
 across decision tables (it never consults one), a GraniKV variant gets a row per table, the k=8 target is
 the paper's 1.82x, and every expected point without a cell is listed as not measured."""
 from __future__ import annotations
-
 import json
 from types import SimpleNamespace
-
 import pandas as pd
 import pytest
 
-from analysis import beyond
+from analysis.exhibits import beyond
+from analysis.measures import families
 from analysis.common import NOT_MEASURED, json_digest
 
 TABLE_A = json.dumps([{"choice": "dense", "lp_min": 0}])
@@ -36,7 +35,7 @@ def _rows(t: pd.DataFrame, family_prefix: str, point: str, system: str) -> pd.Da
 
 
 def test_the_baseline_pools_across_tables_and_each_granikv_table_gets_its_row():
-    t = beyond.beyond_frame(_res([
+    t = families.beyond_frame(_res([
         _cell("sglang_default", 100.0, TABLE_A, rep=0), _cell("sglang_default", 110.0, TABLE_B, rep=1),
         _cell("granikv", 95.0, TABLE_A), _cell("granikv", 104.0, TABLE_B),
         _cell("granikv", 50.0, kind="sharegpt", lp=3072, batch=128),    # outside every family
@@ -57,7 +56,7 @@ def test_the_baseline_pools_across_tables_and_each_granikv_table_gets_its_row():
 
 def test_heterogeneous_k8_is_held_to_the_papers_figure():
     lens8 = "[1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288]"
-    t = beyond.beyond_frame(_res([
+    t = families.beyond_frame(_res([
         _cell("sglang_default", 100.0, kind="multiprefix", lp=8192, batch=256, k=8, lens=lens8, hw="a100_40gb"),
         _cell("granikv_dynamic", 150.0, kind="multiprefix", lp=8192, batch=256, k=8, lens=lens8, hw="a100_40gb"),
     ]))
@@ -69,22 +68,22 @@ def test_heterogeneous_k8_is_held_to_the_papers_figure():
 
 
 def test_a_variant_without_a_baseline_twin_is_not_measured_rather_than_a_ratio():
-    t = beyond.beyond_frame(_res([_cell("granikv", 120.0, kind="sharegpt", lp=512, batch=512)]))
+    t = families.beyond_frame(_res([_cell("granikv", 120.0, kind="sharegpt", lp=512, batch=512)]))
     r = _rows(t, "limitation", "config=llama3_8b TP=1, batch=512", "granikv").iloc[0]
     assert r["meets"] == NOT_MEASURED and "no sglang_default twin" in r["status"]
 
 
 def test_a_family_target_must_name_a_value_per_dim():
     with pytest.raises(ValueError, match="target point .* dims"):
-        beyond.Family("x", {}, {"config": ("a",), "workload.batch": (1,)}, targets={("a",): 1.0})
+        families.Family("x", {}, {"config": ("a",), "workload.batch": (1,)}, targets={("a",): 1.0})
     with pytest.raises(ValueError, match="dims must name"):
-        beyond.Family("x", {})
+        families.Family("x", {})
 
 
 def test_on_the_headline_the_dynamic_split_is_held_to_the_static_splits_ratio():
     def hl(system, tok_s, lp, rep=0):
         return _cell(system, tok_s, kind="sharegpt", lp=lp, batch=256, rep=rep)
-    t = beyond.beyond_frame(_res([
+    t = families.beyond_frame(_res([
         hl("sglang_default", 100.0, 16384), hl("granikv", 220.0, 16384), hl("granikv_dynamic", 210.0, 16384),
         hl("sglang_default", 100.0, 512), hl("granikv", 95.0, 512), hl("granikv_dynamic", 99.0, 512),
         hl("sglang_default", 100.0, 2048), hl("granikv_dynamic", 120.0, 2048),
@@ -102,13 +101,13 @@ def test_on_the_headline_the_dynamic_split_is_held_to_the_static_splits_ratio():
     assert dyn2k["target"] == pytest.approx(0.97) and dyn2k["meets"] == "yes"
     assert list(_rows(t, fam, "config=llama3_8b TP=1, prefix_len=2048", "granikv")["status"]) == [NOT_MEASURED]
     with pytest.raises(ValueError, match="target_from='x' is not a variant"):
-        beyond.Family("x", {}, {"config": ("a",)}, target_from="x")
+        families.Family("x", {}, {"config": ("a",)}, target_from="x")
 
 
 def test_a_forced_dispatch_is_not_pooled_with_the_table():
     lens8 = "[1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288]"
     mp = dict(kind="multiprefix", lp=8192, batch=256, k=8, lens=lens8, hw="a100_40gb")
     forced = {**_cell("granikv_dynamic", 400.0, **mp), "system.dispatch": "cascade_only"}
-    t = beyond.beyond_frame(_res([_cell("sglang_default", 100.0, **mp), _cell("granikv_dynamic", 150.0, **mp), forced]))
+    t = families.beyond_frame(_res([_cell("sglang_default", 100.0, **mp), _cell("granikv_dynamic", 150.0, **mp), forced]))
     r = _rows(t, "multiprefix heterogeneous", "config=llama3_8b TP=1, num_prefixes=8", "granikv_dynamic")
     assert len(r) == 1 and r.iloc[0]["n"] == 1 and r.iloc[0]["ratio_vs_sglang_default"] == pytest.approx(1.5)

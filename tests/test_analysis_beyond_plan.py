@@ -3,14 +3,13 @@ same batch size and step kind, over the beyond-the-paper cells; batch sizes only
 out, traces from before the engine recorded plan_us give no measured row, and every expected point without
 one is listed as not measured."""
 from __future__ import annotations
-
 import json
 from types import SimpleNamespace
-
 import pandas as pd
 import pytest
 
-from analysis import beyond, beyond_plan
+from analysis.measures import families as beyond
+from analysis.exhibits.beyond import beyond_plan
 from analysis.common import NOT_MEASURED
 from analysis.load import SchemaError
 from granikv import rawio

@@ -2,14 +2,13 @@
 SGLang default's at the same point, read from the cells' step traces, and the REPORT explains every
 row that misses its target with it."""
 from __future__ import annotations
-
 import json
 from types import SimpleNamespace
-
 import pandas as pd
 import pytest
 
-from analysis import beyond, beyond_steps
+from analysis.measures import families as beyond
+from analysis.exhibits.beyond import beyond_steps
 from analysis.common import NOT_MEASURED
 from analysis.load import SchemaError
 from granikv import rawio

@@ -1,13 +1,11 @@
 """analysis/bounds.py: a failed bound claim is explained by the configurations that break it (and,
 for the routing claims, by the calibration times at those points), on hand-built frames."""
 from __future__ import annotations
-
 from types import SimpleNamespace
-
 import pandas as pd
 import pytest
 
-from analysis import bounds
+from analysis.report import bounds
 
 COLS = ["model.name", "system.name", "workload.prefix_len", "workload.batch"]
 

@@ -2,13 +2,11 @@
 profiled cells, both for an Amdahl claim, the dispatcher sweep for a step-trace claim, none from the
 campaign for a kernel claim), and a bench's command and time from its cells' own config."""
 from __future__ import annotations
-
 from pathlib import Path
-
 import pandas as pd
 import pytest
 
-from analysis import claim_map
+from analysis.exhibits.campaign import claim_map
 from analysis.common import with_derived
 from analysis.load import Results
 

@@ -1,9 +1,7 @@
 """analysis.clean: repetitions whose measured run captured CUDA graphs are set aside only where the
 same configuration has a clean repetition; bookkeeping (coverage, counts) still sees every cell."""
 from __future__ import annotations
-
 from pathlib import Path
-
 import pandas as pd
 import pytest
 
@@ -113,7 +111,7 @@ def test_reruns_table_sets_each_superseded_configuration_beside_its_rerun():
     """tables/reruns: one row per configuration a rerun superseded, the older repetitions' mean and code
     version next to the rerun's; configurations the rerun has not reached, and unrelated sweeps, have no row."""
     from analysis.clean import prefer_rerun
-    from analysis.reruns import table
+    from analysis.exhibits.campaign.reruns import table
     from runners.campaign import CampaignItem
 
     def cell(sweep, s, lp, rep, thr, commit):

@@ -1,8 +1,6 @@
 """The committed tables and report are exactly what the committed raw results regenerate."""
 from __future__ import annotations
-
 from pathlib import Path
-
 import pytest
 
 from analysis.reproduce import run

@@ -2,13 +2,12 @@
 options: the pick's regret over the fastest option, graph times up to the CUDA-graph limit and eager times
 above it, and a cell that lacks an option or a hardware preset reported as not measured."""
 from __future__ import annotations
-
 from types import SimpleNamespace
-
 import pandas as pd
 import pytest
 
-from analysis import dispatch_regret as dr
+from analysis.exhibits.dispatch import dispatch_regret as dr
+from analysis.measures import dispatch as dispatch_measures
 from analysis.common import NOT_MEASURED
 from granikv.attention.dispatch import Dispatcher
 
@@ -29,7 +28,7 @@ def _frame(rows) -> pd.DataFrame:
 
 
 def _table_choice(lp, b, graph=True) -> str:
-    cfg = dr.preset("h200")
+    cfg = dispatch_measures.preset("h200")
     return Dispatcher(32, 8, 128, "NVIDIA H200", cfg["decision_table"]).choose(lp, b, graph=graph)
 
 
@@ -45,7 +44,7 @@ def test_regret_is_the_picks_time_over_the_fastest_options():
 
 
 def test_above_the_graph_limit_the_eager_rules_and_times_decide():
-    limit = dr.preset("h200")["cuda_graph_max_bs"]
+    limit = dispatch_measures.preset("h200")["cuda_graph_max_bs"]
     b = 2 * limit
     pick = _table_choice(8192, b, graph=False)
     graph = {be: 0.1 for be in dr.OPTIONS.values()}

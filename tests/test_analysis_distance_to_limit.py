@@ -2,14 +2,14 @@
 wherever the GEMM floor (or a usable one) is missing, vendor peaks where the preset leaves them unset, and
 the profiler breakdown of a small trace."""
 from __future__ import annotations
-
 import json
 from pathlib import Path
-
 import pandas as pd
 import pytest
 
-from analysis import distance_to_limit as D
+from analysis.exhibits.kernel import distance_to_limit as D
+from analysis import common
+from analysis.measures import limit
 from analysis.load import load_results
 from granikv import rawio
 
@@ -98,9 +98,9 @@ def test_compute_bound_roofline_and_vendor_peaks_when_unset():
     # Llama-3.1-8B shape at Lp=16K, B=256, s=96 on the H200 datasheet peaks: per layer
     # bytes = 2 * (16384 + 256*96) * 8 * 128 * 2 = 167772160 B -> 34.95 us at 4.8 TB/s;
     # flops = 4 * 32 * 128 * 256 * 16480 = 69122129920 -> 69.89 us at 989 TFLOP/s: compute-bound; x32 layers
-    ms, bound = D.attention_roofline_ms(16384, 256, 96, 32, 32, 8, 128, 1, 2, *D.VENDOR_PEAKS["NVIDIA H200"])
+    ms, bound = limit.attention_roofline_ms(16384, 256, 96, 32, 32, 8, 128, 1, 2, *common.VENDOR_PEAKS["NVIDIA H200"])
     assert bound == "compute" and ms == pytest.approx(32 * 69122129920 / 989e12 * 1e3)
-    ms2, bound2 = D.attention_roofline_ms(16384, 8, 96, 32, 32, 8, 128, 1, 2, 989.0, 4.8)
+    ms2, bound2 = limit.attention_roofline_ms(16384, 8, 96, 32, 32, 8, 128, 1, 2, 989.0, 4.8)
     assert bound2 == "memory" and ms2 == pytest.approx(32 * 2 * (16384 + 8 * 96) * 8 * 128 * 2 / 4.8e12 * 1e3)
 
 
@@ -181,7 +181,7 @@ def test_profiler_breakdown(tmp_path, prefix_annotation):
     ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", False),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", False)])
 def test_attention_kernels_by_name(name, attention):
-    from analysis.distance_to_limit import ATTENTION_KERNEL
+    from analysis.measures.limit import ATTENTION_KERNEL
     assert bool(ATTENTION_KERNEL.search(name)) == attention
 
 

@@ -1,14 +1,12 @@
 """The analysis on a results folder with nothing measured yet: every module runs, nothing is
 invented, every claim is 'not measured' with a reason."""
 from __future__ import annotations
-
 import subprocess
 from pathlib import Path
-
 import pandas as pd
 import pytest
 
-from analysis.reproduce import MODULES, main, run
+from analysis.reproduce import EXHIBITS, main, run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,10 +20,10 @@ def empty_out(tmp_path_factory):
 
 def test_every_module_writes_table_and_figures(empty_out):
     r, out = empty_out
-    for m in MODULES:
+    for m in EXHIBITS:
         for ext in ("csv", "md"):
-            assert (out / "tables" / f"{m.NAME}.{ext}").stat().st_size > 0
-    assert r["figures"] == [f for m in MODULES for f in m.FIGURES] and len(r["figures"]) >= 10
+            assert (out / "tables" / f"{m.name}.{ext}").stat().st_size > 0
+    assert r["figures"] == [f for m in EXHIBITS for f in m.figures] and len(r["figures"]) >= 10
     for f in r["figures"]:
         assert (out / "figures" / f"{f}.png").exists() and (out / "figures" / f"{f}.pdf").exists()
     assert {p.stem for p in (out / "figures").glob("*.png")} == set(r["figures"])  # each module declares its figures
@@ -36,14 +34,14 @@ def test_nothing_is_invented(empty_out):
     ev = r["claims"]
     assert (ev["verdict"] == "not measured").all()
     assert (ev["why"].str.len() > 0).all()
-    for m in MODULES:
-        t = pd.read_csv(out / "tables" / f"{m.NAME}.csv", dtype=str, keep_default_na=False)
-        assert len(t) > 0, m.NAME
+    for m in EXHIBITS:
+        t = pd.read_csv(out / "tables" / f"{m.name}.csv", dtype=str, keep_default_na=False)
+        assert len(t) > 0, m.name
         status = t["status"] if "status" in t.columns else t.get("bound")
-        assert status is not None and status.str.startswith("not measured").all(), m.NAME
+        assert status is not None and status.str.startswith("not measured").all(), m.name
         for col in ("mean", "ratio_vs_sglang_default", "tpot_p50_ms", "measured", "share_pct", "attention_ms"):
             if col in t.columns:
-                assert (t[col] == "").all(), (m.NAME, col)
+                assert (t[col] == "").all(), (m.name, col)
     # bookkeeping: nothing superseded, so the reruns table has its header and no row
     reruns = pd.read_csv(out / "tables" / "reruns.csv", dtype=str, keep_default_na=False)
     assert len(reruns) == 0 and {"before", "after", "after_over_before"} <= set(reruns.columns)

@@ -2,15 +2,12 @@
 sglang_default and granikv (tiny model, CPU) beside a sglang_server cell of the same request set
 served by the fake SGLang server; a kernel cell whose config has keys named like engine stats."""
 from __future__ import annotations
-
 from pathlib import Path
-
 import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
-
-from analysis import engine_fidelity
-from analysis.claims import evaluate
+from analysis.exhibits.sglang import engine_fidelity
+from analysis.verdict.evaluate import evaluate
 from analysis.load import load_results
 from granikv import rawio
 from granikv.serving import server as srvmod

@@ -2,13 +2,12 @@
 sum beside the step, CPU cells and rows timed without their graph left out, and a table that says not measured (with the command) without
 GPU cells."""
 from __future__ import annotations
-
 from types import SimpleNamespace
-
 import pandas as pd
 import pytest
 
-from analysis import gemm_floor as G
+from analysis.exhibits.kernel import gemm_floor as G
+from analysis.measures import gemm
 from analysis.common import NOT_MEASURED
 
 
@@ -20,13 +19,13 @@ def _rows(m=256, device="cuda", times=None, path="gemm_floor/x", graph=True):
 
 
 def _frame(rows):
-    return G.frame(SimpleNamespace(kernels=pd.DataFrame(rows)))
+    return gemm.floor_frame(SimpleNamespace(kernels=pd.DataFrame(rows)))
 
 
 def test_step_and_parts_in_order_with_the_parts_sum():
     t = _frame(_rows() + _rows(times={"step": 7.2, "qkv": 0.7, "o": 0.6, "gate_up": 3.5, "down": 1.8,
                                       "lm_head": 0.5}, path="gemm_floor/y"))
-    assert list(t["part"]) == list(G.PARTS)
+    assert list(t["part"]) == list(gemm.PARTS)
     step = t.iloc[0]
     assert step["n"] == 2 and step["time_ms"] == pytest.approx(7.1)
     assert step["parts_sum_ms"] == pytest.approx(0.7 + 0.6 + 3.5 + 1.8 + 0.5)

@@ -3,14 +3,14 @@ SGLang default and each engine system over the engine's default at the same poin
 counters as shares and per-step host time, a window with no counted step as not recorded, and
 planned points without a cell as not measured rows."""
 from __future__ import annotations
-
 from pathlib import Path
-
 import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import in_sglang
+from analysis.exhibits.sglang import in_sglang
+from analysis.measures import sglang as sglang_measures
+from analysis.report import sglang as sglang_lines
 from analysis.load import Results
 
 BASE = {"model.name": "llama3_8b", "tp": 1, "workload.batch": 256, "profile_steps": 0, "nsys": False}
@@ -103,14 +103,14 @@ def test_claims_use_todays_plugin_settings_where_a_configuration_has_them():
             {**cell(HEAD, "sglang_server_hydragen", 16384, 4100), "system.decode_plan": "flashinfer",
              "system.cascade_impl": "multilevel"}]
     df = pd.DataFrame(rows)
-    kept = in_sglang.prefer_current(df, cols)
+    kept = sglang_measures.prefer_current(df, cols)
     tok = kept.groupby(["system.name", "workload.prefix_len"])["output_throughput_tok_s"].apply(list).to_dict()
     assert tok[("sglang_server_granikv", 16384)] == [4000]          # today's (fast) only: never pooled
     assert tok[("sglang_server_granikv", 8192)] == [4600]           # only older settings measured: kept
     assert tok[("sglang_server_cascade", 16384)] == [4200]
     assert tok[("sglang_server_hydragen", 16384)] == [4100] and tok[("sglang_server", 16384)] == [2500]
     # the claims' cells frame goes through it
-    from analysis.claims import Context
+    from analysis.verdict.context import Context
     res = Results(root=Path("."), cells=df.assign(kind="serving"), failures=pd.DataFrame(), kernels=pd.DataFrame(),
                   config_columns=cols)
     got = Context(res).frame("cells")
@@ -122,9 +122,9 @@ def test_todays_variants_are_the_plugin_systems_configs():
     conf = Path(__file__).resolve().parents[1] / "conf" / "system"
     for name in ("cascade", "hydragen", "granikv"):
         y = yaml.safe_load((conf / f"sglang_server_{name}.yaml").read_text())
-        assert y["decode_plan"] == in_sglang.VARIANTS["decode_plan"]
+        assert y["decode_plan"] == sglang_measures.VARIANTS["decode_plan"]
     assert yaml.safe_load((conf / "sglang_server_cascade.yaml").read_text())["cascade_impl"] == \
-        in_sglang.VARIANTS["cascade_impl"]
+        sglang_measures.VARIANTS["cascade_impl"]
 
 
 def test_no_cells_is_every_point_not_measured(tmp_path):
@@ -139,10 +139,10 @@ def test_the_claim_line_names_both_systems_and_the_plugin_counters():
     rows = [cell(HET, "sglang_server", 8192, 4000), cell(HET, "sglang_server_granikv", 8192, 5000, **counters)]
     claim = pd.Series({"selectors": "workload.kind=multiprefix;workload.num_prefixes=4;hardware.name=a100_40gb;"
                                     "system.name=sglang_server_granikv", "baseline": "system.name=sglang_server"})
-    line = in_sglang.claim_line(results(rows), claim)
+    line = sglang_lines.claim_line(results(rows), claim)
     assert "sglang_server_granikv against sglang_server" in line and "ITL p50 2.0 vs 2.5 ms" in line
     assert "100.0% dense" in line and "host plan 1000 us" in line and "not logged" in line
-    assert in_sglang.claim_line(results(rows[:1]), claim) == ""          # no cell of the claim's system
+    assert sglang_lines.claim_line(results(rows[:1]), claim) == ""          # no cell of the claim's system
 
 
 def test_the_claim_line_names_the_cells_with_earlier_settings_it_leaves_out():
@@ -154,7 +154,7 @@ def test_the_claim_line_names_the_cells_with_earlier_settings_it_leaves_out():
                   config_columns=[c for c in cols if c.startswith(("system.", "workload.", "model.", "hardware.", "tp"))])
     claim = pd.Series({"selectors": "workload.kind=sharegpt;workload.prefix_len=16384;system.name=sglang_server_granikv",
                        "baseline": "system.name=sglang_server"})
-    line = in_sglang.claim_line(res, claim)
+    line = sglang_lines.claim_line(res, claim)
     assert "ITL p50 2.5 vs 4.0 ms" in line                                  # today's cell (4000 tok/s) only
     assert "not used, measured with earlier plugin settings: decode_plan=flashinfer: 5000 tok/s (2.00x)" in line
     assert "cascade_impl" not in line

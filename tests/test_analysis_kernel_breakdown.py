@@ -5,10 +5,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
 import pytest
 
-from analysis import kernel_breakdown as KB
+from analysis.exhibits.kernel import kernel_breakdown as KB
+from analysis.measures import kernels
 from analysis.load import load_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def test_short_kernel_names():
 
 def test_a_malformed_profile_names_the_fix():
     with pytest.raises(ValueError, match="profile_kernels=true"):
-        KB._kernels('[{"name": "k"}]', "cell")
+        kernels.row_kernels('[{"name": "k"}]', "cell")
 
 
 def test_no_profile_is_reported_not_measured(tmp_path):
@@ -60,7 +60,7 @@ def test_no_profile_is_reported_not_measured(tmp_path):
 
 def test_split_layout_row_reads_the_slab_once_like_its_plain_sibling():
     import pandas as pd
-    from analysis.kernel import slab_once
+    from analysis.measures.kernels import slab_once
     k = pd.DataFrame({"cell.kind": ["layout", "layout", "layout", "layout", "decode"],
                       "k.backend": ["contiguous_dense", "contiguous_dense_split", "paged_unique_decode",
                                     "contiguous_dense_split", "dense"],

@@ -4,12 +4,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
 import pandas as pd
 import pytest
 import yaml
 
-from analysis import multiclass as MC
+from analysis.exhibits.dispatch import multiclass as MC
 from analysis.load import load_results
 
 ROOT = Path(__file__).resolve().parents[1]

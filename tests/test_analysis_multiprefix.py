@@ -6,16 +6,15 @@ is null for uniform cells) made pandas drop those groups, and with them every pa
 reproduce` stopped with "Number of columns must be a positive integer, not 0".
 """
 from __future__ import annotations
-
 import os
 import subprocess
 import sys
 from pathlib import Path
-
 import pandas as pd
 import pytest
 
-from analysis import multiprefix
+from analysis.exhibits import multiprefix
+from analysis.report import steps as steps_lines
 from analysis.load import load_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,11 +65,11 @@ def test_storage_line_reads_the_claims_granikv_cell(raw):
     (16 + 32, from the list), its HOT pool, admissions and paths, against sglang_default's TTFT / TPOT."""
     res = load_results(raw)
     claim = pd.Series({"selectors": "workload.kind=multiprefix;workload.prefix_lens=notnull;workload.num_prefixes=2"})
-    line = multiprefix.storage_line(res, claim)
+    line = steps_lines.storage_line(res, claim)
     g = res.cells[(res.cells["system.name"] == "granikv") & res.cells["workload.prefix_lens"].notna()].iloc[0]
     assert "k=2, 0.0K prefix tokens" in line                        # 48 tokens
     assert f"HOT pool of {g['hot_capacity_tokens'] / 1e3:.1f}K" in line
     assert "class-steps by path {" in line and "(sglang_default)" in line
     assert "decode steps " in line and "of GraniKV's step time" in line and "mean decode batch" in line
     none = pd.Series({"selectors": "workload.kind=multiprefix;workload.num_prefixes=64"})
-    assert multiprefix.storage_line(res, none) == ""
+    assert steps_lines.storage_line(res, none) == ""

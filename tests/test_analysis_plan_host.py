@@ -5,11 +5,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
 import pandas as pd
 import pytest
 
-from analysis import plan_host as PH
+from analysis.exhibits.kernel import plan_host as PH
 from analysis.load import load_results
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,14 +2,12 @@
 kernel's share of the bf16 peak and the target verdict on hand-computed rows, Nsight Compute's numbers
 taken from the layout cell of the same point, and a table that says not measured without profiles."""
 from __future__ import annotations
-
 import json
 from types import SimpleNamespace
-
 import pandas as pd
 import pytest
 
-from analysis import prefix_kernel as P
+from analysis.exhibits.kernel import prefix_kernel as P
 from analysis.common import NOT_MEASURED
 
 LLAMA = {"cell.shape.name": "llama3_8b", "cell.shape.hq": 32, "cell.shape.hkv": 8, "cell.shape.d": 128}

@@ -1,10 +1,9 @@
 """analysis.profiler.graph_traces: a configuration traced with CUDA-graph steps keeps those traces only (its
 eager-step traces feed the distance-to-limit split), one traced only eagerly keeps its own."""
 from __future__ import annotations
-
 import pandas as pd
 
-from analysis.profiler import at_b3_point, graph_traces
+from analysis.exhibits.kernel.profiler import at_b3_point, graph_traces
 
 
 def test_eager_traces_drop_only_where_a_graph_trace_exists():

@@ -2,15 +2,15 @@
 issue numbers, and every number of its claims table, tally and claim map equal to the regenerated tables
 (results/tables/claims.csv, results/tables/experiments.csv)."""
 from __future__ import annotations
-
 import re
 from pathlib import Path
-
 import pandas as pd
 import pytest
 
-from analysis.claims import VERDICTS, load_claims
-from analysis.report import ours_compact, paper_value_shown
+from analysis.verdict.evaluate import load_claims
+from analysis.verdict.rule import VERDICTS
+from analysis.paper import paper_value_shown
+from analysis.report.claims import ours_compact
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -1,19 +1,17 @@
 """The analysis on raw folders written by the real CPU runners (runners.run, runners.kernel_bench):
 loading, schema errors naming file and field, failures listed, every module, determinism."""
 from __future__ import annotations
-
 import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-
 import pandas as pd
 import pytest
 
 from analysis.load import find_cells, load_results, load_steps
-from analysis.reproduce import MODULES, run
+from analysis.reproduce import EXHIBITS, run
 from granikv.rawio import SchemaError, data_path, read_json, write_json
 from granikv.rawio import exists as rawio_exists
 
@@ -127,7 +125,7 @@ def test_kernel_table_times_every_measured_row_and_skips_the_fits_copies(raw, tm
     """The dispatcher's per-step cost (us_per_step) is a measurement like any kernel time: the
     kernel table shows it, never "not measured"; a calibration fit's rows (times copied from the
     calibration cells) are not listed a second time."""
-    from analysis import kernel
+    from analysis.exhibits.kernel import kernel
 
     root = tmp_path / "raw"
     shutil.copytree(raw, root)
@@ -195,8 +193,8 @@ def test_unfinished_cell_is_listed(raw, tmp_path):
 
 def test_every_module_on_runner_output(raw, tmp_path):
     r = run(raw, tmp_path)
-    for m in MODULES:
-        assert (tmp_path / "tables" / f"{m.NAME}.csv").exists(), m.NAME
+    for m in EXHIBITS:
+        assert (tmp_path / "tables" / f"{m.name}.csv").exists(), m.name
     grid = pd.read_csv(tmp_path / "tables" / "grid.csv", dtype=str, keep_default_na=False)
     got = grid[grid["status"] == "measured"]
     assert set(zip(got["Lp"], got["B"], got["system"])) == \
@@ -245,7 +243,7 @@ def _thr(raw: Path, match: dict) -> float:
 
 
 def test_claim_statistics_on_runner_output(res, raw):
-    from analysis.claims import evaluate
+    from analysis.verdict.evaluate import evaluate
     sel = "workload.kind=synthetic;model.name=tiny;tp=1;workload.prefix_len=128;workload.batch=4;system.name=granikv"
     ev = evaluate(res, _claim(selectors=sel, baseline="system.name=sglang_default"))
     want = _thr(raw, {"system.name": "granikv", "workload.prefix_len": 128}) / \
@@ -268,7 +266,7 @@ PEAK = dict(selectors="workload.kind=synthetic;system.name=granikv;profile_steps
 
 
 def test_peak_share_leaves_out_rows_that_miss_a_b_and_follows_warmup_with_b(res, raw):
-    from analysis.claims import evaluate
+    from analysis.verdict.evaluate import evaluate
     b4 = _thr(raw, {"system.name": "granikv", "workload.prefix_len": 64, "workload.batch": 4})
     b2 = _thr(raw, {"system.name": "granikv", "workload.prefix_len": 64, "workload.batch": 2})
     ev = evaluate(res, _claim(**PEAK))
@@ -292,8 +290,8 @@ def test_peak_share_leaves_out_rows_that_miss_a_b_and_follows_warmup_with_b(res,
 
 
 def test_peak_line_explains_only_a_broken_peak(res, raw):
-    from analysis.claims import evaluate
-    from analysis.sharegpt_matrix import peak_line
+    from analysis.verdict.evaluate import evaluate
+    from analysis.report.bounds import peak_line
     b4 = _thr(raw, {"system.name": "granikv", "workload.prefix_len": 64, "workload.batch": 4})
     b2 = _thr(raw, {"system.name": "granikv", "workload.prefix_len": 64, "workload.batch": 2})
     share = b4 / max(b2, b4)
@@ -309,8 +307,9 @@ def test_peak_line_explains_only_a_broken_peak(res, raw):
 
 
 def test_report_reasoning_uses_only_what_was_measured(res):
-    from analysis.claims import load_claims
-    from analysis.report import hardware_summary, roofline_line
+    from analysis.verdict.evaluate import load_claims
+    from analysis.report.kernels import roofline_line
+    from analysis.report.provenance import hardware_summary
     assert hardware_summary(res) == [f"no GPU (CPU): {len(res.cells)} cells"]
     claim = load_claims().iloc[0]
     line = roofline_line(res, claim, {})
@@ -319,7 +318,7 @@ def test_report_reasoning_uses_only_what_was_measured(res):
 
 
 def test_report_lists_code_versions_per_sweep(res):
-    from analysis.report import code_versions
+    from analysis.report.provenance import code_versions
     lines = code_versions(res)
     sweeps = sorted(set(res.cells["sweep"]))
     assert len(lines) == len(set(sweeps) | set(res.kernels["sweep"]) if not res.kernels.empty else sweeps)
@@ -337,7 +336,7 @@ def test_amdahl_measures_profiled_pairs_by_step_time_not_wall_time(raw, tmp_path
     """Without a plain pair, Amdahl's measured ratio comes from the profiled cells' summed step time
     (the profiler's start and trace export fall between steps, inside the run's wall time), and it
     never comes from a profiled cell's throughput."""
-    from analysis import amdahl
+    from analysis.measures import amdahl
 
     root = tmp_path / "raw"
     _run("runners.run", ["-m", *SERVING, "system=granikv,sglang_default", "workload.prefix_len=64",
@@ -361,7 +360,7 @@ def test_amdahl_measures_profiled_pairs_by_step_time_not_wall_time(raw, tmp_path
 
 
 def test_headline_step_breakdown_on_runner_output(res, raw, monkeypatch):
-    from analysis import headline_steps
+    from analysis.measures import steps as headline_steps
     # the runner's grid (synthetic, B=4) stands in for the headline selection
     monkeypatch.setattr(headline_steps, "SELECT", {"sweep_name": "=grid", "workload.batch": "=4",
                                                    "profile_steps": "=0"})
@@ -399,9 +398,10 @@ def test_config_key_added_later_takes_its_default_for_older_cells(raw, tmp_path)
 
 
 def test_report_explains_a_reproduced_ratio_short_of_the_paper(res, monkeypatch):
-    from analysis import headline_steps
-    from analysis.claims import evaluate
-    from analysis.report import off_paper, shares_line
+    from analysis.measures import steps as headline_steps
+    from analysis.verdict.evaluate import evaluate
+    from analysis.report.explain import off_paper
+    from analysis.report.steps import shares_line
     monkeypatch.setattr(headline_steps, "SELECT", {"sweep_name": "=grid", "workload.batch": "=4",
                                                    "profile_steps": "=0"})
     sel = "workload.kind=synthetic;model.name=tiny;tp=1;workload.prefix_len=128;workload.batch=4;system.name=granikv"
@@ -437,7 +437,7 @@ def test_report_explains_a_reproduced_ratio_short_of_the_paper(res, monkeypatch)
 
 
 def test_report_says_which_cells_shared_the_host(res):
-    from analysis.report import hardware_summary
+    from analysis.report.provenance import hardware_summary
     assert "provenance.concurrent_sweeps" in res.cells.columns
     assert (res.cells["provenance.concurrent_sweeps"] == 1).all()     # the CPU runner alone
     shared = res.cells.copy()
@@ -448,7 +448,7 @@ def test_report_says_which_cells_shared_the_host(res):
 
 
 def test_report_explains_an_absolute_time_by_the_hardware():
-    from analysis.report import DATASHEET, absolute_line
+    from analysis.report.explain import DATASHEET, absolute_line
     ev = pd.DataFrame([
         {"id": "abs", "comparison": "absolute (hardware-dependent)", "ours": 40.0, "paper_value": "100",
          "paper_value_hi": "", "check": "point", "unit": "ms", "metric": "tpot_p50_ms", "our_hardware": "NVIDIA H200",
@@ -470,7 +470,7 @@ def test_report_explains_an_absolute_time_by_the_hardware():
 
 
 def test_report_compares_shared_host_cells_with_cells_run_alone(res):
-    from analysis.report import concurrency_check
+    from analysis.report.provenance import concurrency_check
     assert concurrency_check(res) == ""                              # nothing shared the host
     cells = res.cells.copy()
     serving = cells[(cells["kind"] == "serving") & (cells["system.name"] == "granikv")
@@ -501,7 +501,7 @@ def test_report_compares_shared_host_cells_with_cells_run_alone(res):
 
 
 def test_report_flags_graph_capture_inside_measured_runs(res):
-    from analysis.report import capture_check
+    from analysis.report.provenance import capture_check
     cells = res.cells.copy()
     cells["cuda_graph_capture_s"] = 0.0
     quiet = type(res)(root=res.root, cells=cells, failures=res.failures, kernels=res.kernels,
@@ -516,7 +516,7 @@ def test_report_flags_graph_capture_inside_measured_runs(res):
 
 def test_report_checks_kv_budgets_within_a_sweep(res):
     """Equal budgets: no line. Unequal: the sweep's range, and the cells whose pool filled are named."""
-    from analysis.report import budget_check
+    from analysis.report.provenance import budget_check
 
     def with_cells(cells):
         return type(res)(root=res.root, cells=cells, failures=res.failures, kernels=res.kernels,
@@ -537,9 +537,10 @@ def test_report_checks_kv_budgets_within_a_sweep(res):
 def test_claim_without_a_better_side_is_explained_when_off_the_paper(res):
     """A regression-size claim (no better side, e.g. the limitation's 0.70x) more than 10% from ours is
     listed "below" / "above" the paper, and explained by the GraniKV/sglang_default step trace."""
-    from analysis.claims import evaluate
-    from analysis.headline_steps import cell_steps, claim_steps_line
-    from analysis.report import off_paper
+    from analysis.verdict.evaluate import evaluate
+    from analysis.measures.steps import cell_steps
+    from analysis.report.steps import claim_steps_line
+    from analysis.report.explain import off_paper
     sel = "workload.kind=synthetic;model.name=tiny;tp=1;workload.prefix_len=128;workload.batch=4;system.name=granikv"
     ours = evaluate(res, _claim(selectors=sel, baseline="system.name=sglang_default"))["ours"].iloc[0]
     # unit "" (not "x"): a paper value 15% from the tiny CPU run's ratio may cross 1, where the direction rule
@@ -565,7 +566,7 @@ def test_claim_without_a_better_side_is_explained_when_off_the_paper(res):
 
 
 def test_dispatch_overhead_leaves_the_profiled_cell_out(res):
-    from analysis.dispatch_overhead import overhead_frame
+    from analysis.measures.dispatch import overhead_frame
     t = overhead_frame(res)
     assert len(t) == 3 and set(t["system"]) == {"granikv"}      # the 3 plain GraniKV cells, not the profiled one
     assert (pd.to_numeric(t["profile_steps"], errors="coerce").fillna(0) == 0).all()

@@ -1,14 +1,13 @@
 """Small analysis helpers: the decision table a cell could use, markdown digests of long JSON values,
 and the report's note on headline pairs measured at different code versions."""
 from __future__ import annotations
-
 import json
 
 import pandas as pd
 
 from analysis.common import json_digest
-from analysis.load import applicable_table
-from analysis.report import split_pairs_line
+from granikv.rawio import applicable_table
+from analysis.report.steps import split_pairs_line
 
 
 def _rule(hq, hkv, choice, gpu="NVIDIA H200"):

@@ -1,16 +1,19 @@
 """Claims: the verdict rule at its boundaries, selectors, and the committed claims.csv."""
 from __future__ import annotations
-
 import math
 
 import pandas as pd
 import pytest
 
-from analysis import claims as C
+from analysis import paper
+from analysis.verdict import context
+from analysis.verdict import evaluate as evaluate_mod
+from analysis.verdict import rule
+from analysis.verdict import statistics
 from analysis.common import parse_selectors, select
-from analysis.reproduce import MODULES
+from analysis.reproduce import EXHIBITS
 
-R, EX, NR, NM = C.REPRODUCED, C.EXCEEDED, C.NOT_REPRODUCED, "not measured"
+R, EX, NR, NM = rule.REPRODUCED, rule.EXCEEDED, rule.NOT_REPRODUCED, "not measured"
 
 
 @pytest.mark.parametrize("ours,better,want", [
@@ -23,52 +26,52 @@ R, EX, NR, NM = C.REPRODUCED, C.EXCEEDED, C.NOT_REPRODUCED, "not measured"
     (5.0, "lower", EX),                    # a ratio's direction is its side of 1, whatever `better` says
 ])
 def test_point_band_and_beyond(ours, better, want):
-    assert C.verdict("point", 2.16, ours, better=better, ratio=True) == want
+    assert rule.verdict("point", 2.16, ours, better=better, ratio=True) == want
 
 
 def test_point_lower_is_better():
-    assert C.verdict("point", 0.67, 0.30, better="lower", ratio=True) == EX       # a larger reduction
-    assert C.verdict("point", 0.67, 0.67 * 1.25 + 1e-6, better="lower", ratio=True) == NR
+    assert rule.verdict("point", 0.67, 0.30, better="lower", ratio=True) == EX       # a larger reduction
+    assert rule.verdict("point", 0.67, 0.67 * 1.25 + 1e-6, better="lower", ratio=True) == NR
 
 
 def test_ratio_direction_must_match():
     # within 25% of 1.10 but the effect points the other way (or vanished)
-    assert C.verdict("point", 1.10, 0.95, ratio=True) == NR
-    assert C.verdict("point", 1.10, 1.00, ratio=True) == NR
-    assert C.verdict("point", 1.10, 0.95, ratio=False) == R     # absolute values: no direction
-    assert C.verdict("point", 0.70, 1.02, ratio=True) == NR     # a regression claim needs a regression
-    assert C.verdict("point", 0.70, 0.60, ratio=True) == R
+    assert rule.verdict("point", 1.10, 0.95, ratio=True) == NR
+    assert rule.verdict("point", 1.10, 1.00, ratio=True) == NR
+    assert rule.verdict("point", 1.10, 0.95, ratio=False) == R     # absolute values: no direction
+    assert rule.verdict("point", 0.70, 1.02, ratio=True) == NR     # a regression claim needs a regression
+    assert rule.verdict("point", 0.70, 0.60, ratio=True) == R
 
 
 def test_parity_claims_have_no_direction():
-    assert C.verdict("point", 0.99, 1.02, ratio=True) == R      # |0.99 - 1| < 5%: parity
-    assert C.verdict("point", 0.96, 1.02, ratio=True) == R
-    assert C.verdict("point", 0.95, 1.02, ratio=True) == NR     # at the 5% band the direction counts
+    assert rule.verdict("point", 0.99, 1.02, ratio=True) == R      # |0.99 - 1| < 5%: parity
+    assert rule.verdict("point", 0.96, 1.02, ratio=True) == R
+    assert rule.verdict("point", 0.95, 1.02, ratio=True) == NR     # at the 5% band the direction counts
 
 
 def test_range():
-    assert C.verdict("range", 1.05, 1.10, paper_hi=1.15, better="higher", ratio=True) == R
-    assert C.verdict("range", 1.05, 1.15 * 1.25, paper_hi=1.15, ratio=True) == R
-    assert C.verdict("range", 1.05, 1.15 * 1.25 + 1e-6, paper_hi=1.15, ratio=True) == EX
-    assert C.verdict("range", 1.05, 3.0, paper_hi=1.15, better="higher", ratio=True) == EX
-    assert C.verdict("range", 1.05, 0.99, paper_hi=1.15, better="higher", ratio=True) == NR  # below 1
+    assert rule.verdict("range", 1.05, 1.10, paper_hi=1.15, better="higher", ratio=True) == R
+    assert rule.verdict("range", 1.05, 1.15 * 1.25, paper_hi=1.15, ratio=True) == R
+    assert rule.verdict("range", 1.05, 1.15 * 1.25 + 1e-6, paper_hi=1.15, ratio=True) == EX
+    assert rule.verdict("range", 1.05, 3.0, paper_hi=1.15, better="higher", ratio=True) == EX
+    assert rule.verdict("range", 1.05, 0.99, paper_hi=1.15, better="higher", ratio=True) == NR  # below 1
 
 
 def test_bounds_hold_as_stated():
-    assert C.verdict("bound_ge", 0.97, 0.97) == R
-    assert C.verdict("bound_ge", 0.97, 0.9699) == NR
-    assert C.verdict("bound_le", 0.2, 0.2) == R
-    assert C.verdict("bound_le", 0.2, 0.2001) == NR
+    assert rule.verdict("bound_ge", 0.97, 0.97) == R
+    assert rule.verdict("bound_ge", 0.97, 0.9699) == NR
+    assert rule.verdict("bound_le", 0.2, 0.2) == R
+    assert rule.verdict("bound_le", 0.2, 0.2001) == NR
 
 
 def test_qualitative_and_missing():
-    assert C.verdict("true", None, True) == R
-    assert C.verdict("true", None, False) == NR
+    assert rule.verdict("true", None, True) == R
+    assert rule.verdict("true", None, False) == NR
     for missing in (None, float("nan"), float("inf")):
-        assert C.verdict("point", 2.16, missing, ratio=True) == NM
-        assert C.verdict("bound_ge", 0.97, missing) == NM
+        assert rule.verdict("point", 2.16, missing, ratio=True) == NM
+        assert rule.verdict("bound_ge", 0.97, missing) == NM
     with pytest.raises(ValueError, match="check"):
-        C.verdict("roughly", 1.0, 1.0)
+        rule.verdict("roughly", 1.0, 1.0)
 
 
 def test_selectors():
@@ -87,7 +90,7 @@ def test_selectors():
 
 
 def test_committed_claims_cover_the_paper():
-    df = C.load_claims()
+    df = evaluate_mod.load_claims()
     vals = {(r["id"], r["paper_value"]) for _, r in df.iterrows()}
     got = {v for _, v in vals}
     for want in ("2.16", "1.98", "1.57", "0.97", "1.05", "1.36", "1.38", "300", "0.13", "1.95", "0.99", "1.82",
@@ -96,28 +99,28 @@ def test_committed_claims_cover_the_paper():
     assert (df.loc[df["id"].str.startswith("storage_layer"), "paper_value_hi"] == "1.15").all()
     assert {"monotone_ratio", "roofline_shift", "amdahl_overshoot", "peak_share"} <= set(df["statistic"])
     assert (df["section"].str.len() > 0).all() and (df["claim"].str.len() > 0).all()
-    names = {m.NAME for m in MODULES}
+    names = {m.name for m in EXHIBITS}
     for src in df["source"]:
         tables = [s.strip().split("/", 1)[1] for s in src.split(",") if s.strip().startswith("tables/")]
         assert tables and all(t in names for t in tables), src
 
 
 def test_bad_claims_file_names_claim_and_field(tmp_path):
-    df = pd.read_csv(C.CLAIMS_CSV, dtype=str, keep_default_na=False)
+    df = pd.read_csv(paper.CLAIMS_CSV, dtype=str, keep_default_na=False)
     df.loc[0, "check"] = "roughly"
     p = tmp_path / "claims.csv"
     df.to_csv(p, index=False)
     with pytest.raises(ValueError, match=rf"{df.loc[0, 'id']}.*`check`"):
-        C.load_claims(p)
-    df = pd.read_csv(C.CLAIMS_CSV, dtype=str, keep_default_na=False)
+        evaluate_mod.load_claims(p)
+    df = pd.read_csv(paper.CLAIMS_CSV, dtype=str, keep_default_na=False)
     df.loc[1, "statistic"] = "vibes"
     df.to_csv(p, index=False)
     with pytest.raises(ValueError, match="`statistic`"):
-        C.load_claims(p)
+        evaluate_mod.load_claims(p)
 
 
 def test_amdahl_formula():
-    from analysis.amdahl import amdahl
+    from analysis.measures.amdahl import amdahl
     assert amdahl(0.0, 15.6) == 1.0
     assert math.isclose(amdahl(1.0, 15.6), 15.6)
     assert math.isclose(amdahl(0.5, 2.0), 1 / 0.75)
@@ -135,7 +138,7 @@ def _monotone(lps, ratios):
     ctx = SimpleNamespace(frame=lambda name: df,
                           res=SimpleNamespace(config_columns=["system.name", "workload.prefix_len"]))
     c = pd.Series({"frame": "cells", "metric": "output_throughput_tok_s"})
-    return C._ratio_stat(ctx, c, parse_selectors("system.name=granikv"),
+    return statistics._ratio_stat(ctx, c, parse_selectors("system.name=granikv"),
                          parse_selectors("system.name=sglang_default"), "monotone")
 
 
@@ -162,8 +165,8 @@ def test_pair_label_names_the_cell_and_its_repetitions():
     p = pd.DataFrame({"model.name": ["llama3_8b"] * 2, "workload.prefix_len": [512.0, 4096.0],
                       "workload.batch": [256.0, 256.0], "system": ["granikv", "granikv"],
                       "n_num": [2, 1], "n_base": [3, 1]})
-    assert C.pair_label(p, 0) == "Lp=512, B=256, system=granikv (2 repetitions; its baseline 3)"
-    assert C.pair_label(p, 1) == "Lp=4096, B=256, system=granikv (1 repetition; its baseline 1)"
+    assert context.pair_label(p, 0) == "Lp=512, B=256, system=granikv (2 repetitions; its baseline 3)"
+    assert context.pair_label(p, 1) == "Lp=4096, B=256, system=granikv (1 repetition; its baseline 1)"
 
 
 def _ctx(rows: list[dict]):
@@ -180,12 +183,12 @@ def test_other_preset_and_tp_notes_give_information_without_a_verdict():
     ctx = _ctx(rows)
     c = pd.Series({"frame": "cells", "metric": "output_throughput_tok_s", "statistic": "ratio"})
     base = parse_selectors("system.name=sglang_default")
-    note = C.other_hardware_note(ctx, c, parse_selectors("hardware.name=a100_40gb;system.name=granikv"), base)
+    note = evaluate_mod.other_hardware_note(ctx, c, parse_selectors("hardware.name=a100_40gb;system.name=granikv"), base)
     assert "measured with hardware=h200" in note and "1.78" in note and "(no verdict)" in note
-    assert C.other_tp_note(ctx, c, parse_selectors("tp=4;system.name=granikv"), base).endswith("(no verdict)")
-    assert "TP=1" in C.other_tp_note(ctx, c, parse_selectors("tp=4;system.name=granikv"), base)
+    assert evaluate_mod.other_tp_note(ctx, c, parse_selectors("tp=4;system.name=granikv"), base).endswith("(no verdict)")
+    assert "TP=1" in evaluate_mod.other_tp_note(ctx, c, parse_selectors("tp=4;system.name=granikv"), base)
     # nothing measured under any preset: no note
-    assert C.other_hardware_note(ctx, c, parse_selectors("hardware.name=a100_40gb;system.name=hydragen"), base) == ""
+    assert evaluate_mod.other_hardware_note(ctx, c, parse_selectors("hardware.name=a100_40gb;system.name=hydragen"), base) == ""
 
 
 def test_absolute_line_states_the_factor_both_ways():
@@ -193,7 +196,7 @@ def test_absolute_line_states_the_factor_both_ways():
     (425 vs 300 tok/s read '0.71x higher' before)."""
     import pandas as pd
 
-    from analysis.report import absolute_line
+    from analysis.report.explain import absolute_line
 
     def line(ours, paper):
         claim = pd.Series({"id": "a", "comparison": "absolute (hardware-dependent)", "ours": ours,
@@ -216,7 +219,7 @@ def test_absolute_line_states_the_factor_both_ways():
     ("true", None, {}, []),
 ])
 def test_flip_points(check, paper, kw, want):
-    assert C.flip_points(check, paper, **kw) == pytest.approx(want)
+    assert rule.flip_points(check, paper, **kw) == pytest.approx(want)
 
 
 @pytest.mark.parametrize("check,paper,kw", [
@@ -227,24 +230,24 @@ def test_flip_points(check, paper, kw, want):
 def test_flip_points_are_where_the_verdict_changes(check, paper, kw):
     """Scan our number finely: every change of the verdict lies at a flip point, and no flip point is idle."""
     xs = [i * 1e-4 * paper for i in range(1, 30001)]         # 0 .. 3x the paper's value
-    vs = [C.verdict(check, paper, x, **kw) for x in xs]
+    vs = [rule.verdict(check, paper, x, **kw) for x in xs]
     changes = [(xs[i - 1] + xs[i]) / 2 for i in range(1, len(xs)) if vs[i] != vs[i - 1]]
-    pts = [p for p in C.flip_points(check, paper, **kw) if p <= xs[-1]]
+    pts = [p for p in rule.flip_points(check, paper, **kw) if p <= xs[-1]]
     assert len(changes) == len(pts)
     for c, p in zip(changes, pts):
         assert abs(c - p) <= 1e-4 * paper
 
 
 def test_margin():
-    assert C.margin(0.0955, [0.10]) == pytest.approx((0.10, 0.045))
-    assert C.margin(1.2, [1.0, 1.375]) == pytest.approx((1.375, 0.175 / 1.375))
-    assert all(math.isnan(v) for v in C.margin(float("nan"), [1.0]))
-    assert all(math.isnan(v) for v in C.margin(True, [1.0]))       # qualitative claims have no distance
-    assert all(math.isnan(v) for v in C.margin(0.5, []))
+    assert rule.margin(0.0955, [0.10]) == pytest.approx((0.10, 0.045))
+    assert rule.margin(1.2, [1.0, 1.375]) == pytest.approx((1.375, 0.175 / 1.375))
+    assert all(math.isnan(v) for v in rule.margin(float("nan"), [1.0]))
+    assert all(math.isnan(v) for v in rule.margin(True, [1.0]))       # qualitative claims have no distance
+    assert all(math.isnan(v) for v in rule.margin(0.5, []))
 
 
 def test_close_calls_lists_only_near_flips():
-    from analysis.report import close_calls
+    from analysis.report.claims import close_calls
     ev = pd.DataFrame([
         {"id": "near", "ours_shown": "0.96", "configs": 1, "n": 1, "verdict": NR, "flips_at": 0.97, "margin": 0.011,
          "check": "bound_ge", "paper_value": "0.97", "paper_value_hi": "", "unit": "x"},

@@ -3,18 +3,19 @@ from the rule alone, and through ``evaluate`` on hand-built cells (repetitions, 
 noise borrowed from another sweep, a monotone trend within the spread); the rule's text shared with
 analysis/README.md; cells of a system outside the paper's four kept out of their tables."""
 from __future__ import annotations
-
 import math
 from pathlib import Path
-
 import pandas as pd
 import pytest
 
-from analysis import claims as C
+
+
+from analysis.verdict import evaluate as evaluate_mod
+from analysis.verdict import rule
 from analysis.load import Results
 
 ROOT = Path(__file__).resolve().parents[1]
-R, EX, NR, INC, NM = C.REPRODUCED, C.EXCEEDED, C.NOT_REPRODUCED, C.INCONCLUSIVE, C.NOT_MEASURED
+R, EX, NR, INC, NM = rule.REPRODUCED, rule.EXCEEDED, rule.NOT_REPRODUCED, rule.INCONCLUSIVE, rule.NOT_MEASURED
 
 
 @pytest.mark.parametrize("check,paper,ours,kw,want", [
@@ -37,19 +38,19 @@ R, EX, NR, INC, NM = C.REPRODUCED, C.EXCEEDED, C.NOT_REPRODUCED, C.INCONCLUSIVE,
     ("point", 2.16, float("nan"), {"ratio": True}, NM),
 ])
 def test_each_class_from_the_rule(check, paper, ours, kw, want):
-    assert C.point_verdict(check, paper, ours, **kw) == want
-    assert C.verdict(check, paper, ours, **kw) == want                # no spread: the number as it is
+    assert rule.point_verdict(check, paper, ours, **kw) == want
+    assert rule.verdict(check, paper, ours, **kw) == want                # no spread: the number as it is
 
 
 def test_a_spread_across_a_threshold_is_inconclusive():
-    assert C.verdict("bound_ge", 0.97, 0.98, spread=(0.96, 1.01)) == INC
-    assert C.verdict("bound_ge", 0.97, 0.98, spread=(0.975, 0.99)) == R
-    assert C.verdict("point", 2.16, 2.6, spread=(2.5, 2.8), ratio=True) == INC            # reproduced / exceeded
-    assert C.spread_classes("point", 2.16, (2.5, 2.8), ratio=True) == [R, EX]
-    assert C.verdict("point", 2.16, 3.5, spread=(3.2, 3.9), ratio=True) == EX
-    assert C.verdict("true", None, True, spread=(False, True)) == INC                      # holds at one end only
-    assert C.verdict("true", None, False, spread=(False, False)) == NR
-    assert C.verdict("point", 2.16, float("nan"), spread=(1.0, 2.0), ratio=True) == NM
+    assert rule.verdict("bound_ge", 0.97, 0.98, spread=(0.96, 1.01)) == INC
+    assert rule.verdict("bound_ge", 0.97, 0.98, spread=(0.975, 0.99)) == R
+    assert rule.verdict("point", 2.16, 2.6, spread=(2.5, 2.8), ratio=True) == INC            # reproduced / exceeded
+    assert rule.spread_classes("point", 2.16, (2.5, 2.8), ratio=True) == [R, EX]
+    assert rule.verdict("point", 2.16, 3.5, spread=(3.2, 3.9), ratio=True) == EX
+    assert rule.verdict("true", None, True, spread=(False, True)) == INC                      # holds at one end only
+    assert rule.verdict("true", None, False, spread=(False, False)) == NR
+    assert rule.verdict("point", 2.16, float("nan"), spread=(1.0, 2.0), ratio=True) == NM
 
 
 def _cells(rows: list[dict]) -> Results:
@@ -79,33 +80,33 @@ def _claim(**kw) -> pd.DataFrame:
 def test_repetitions_that_straddle_the_bound_are_inconclusive():
     res = _cells([_row("a", "granikv", 512, r, v) for r, v in enumerate((96.0, 100.0, 104.0))]
                  + [_row("a", "sglang_default", 512, r, 100.0) for r in range(3)])
-    ev = C.evaluate(res, _claim()).iloc[0]
+    ev = evaluate_mod.evaluate(res, _claim()).iloc[0]
     assert ev["ours"] == pytest.approx(1.0) and ev["n"] == 3 and ev["configs"] == 1
     assert ev["spread_lo"] == pytest.approx(0.96) and ev["spread_hi"] == pytest.approx(1.04)
     assert ev["point_verdict"] == R and ev["verdict"] == INC and ev["between"] == "reproduced / not reproduced"
     assert ev["spread_from"] == "min-max over repetitions"
     tight = _cells([_row("a", "granikv", 512, r, v) for r, v in enumerate((99.0, 100.0, 101.0))]
                    + [_row("a", "sglang_default", 512, r, 100.0) for r in range(3)])
-    assert C.evaluate(tight, _claim()).iloc[0]["verdict"] == R
+    assert evaluate_mod.evaluate(tight, _claim()).iloc[0]["verdict"] == R
 
 
 def test_one_repetition_takes_the_noise_of_its_sweep_or_borrows_it():
     # sweep "rep" repeats a configuration: its two runs differ by 10% (max - min over mean, median over configs)
     noisy = [_row("rep", s, 4096, r, v) for s in ("granikv", "sglang_default") for r, v in enumerate((95.0, 105.0))]
     close = [_row("one", "granikv", 512, 0, 98.0), _row("one", "sglang_default", 512, 0, 100.0)]   # 1.0% margin
-    ev = C.evaluate(_cells(noisy + close), _claim()).iloc[0]
+    ev = evaluate_mod.evaluate(_cells(noisy + close), _claim()).iloc[0]
     assert ev["n"] == 1 and ev["point_verdict"] == R and ev["verdict"] == INC
     assert "borrowed from rep" in ev["spread_from"] and "10.0%" in ev["spread_from"]
     # the noise widens each n=1 side by half of it: 0.98 * 0.95 / 1.05 .. 0.98 * 1.05 / 0.95
     assert ev["spread_lo"] == pytest.approx(0.98 * 0.95 / 1.05) and ev["spread_hi"] == pytest.approx(0.98 * 1.05 / 0.95)
     far = [_row("one", "granikv", 512, 0, 130.0), _row("one", "sglang_default", 512, 0, 100.0)]      # 34% margin
-    assert C.evaluate(_cells(noisy + far), _claim()).iloc[0]["verdict"] == R
+    assert evaluate_mod.evaluate(_cells(noisy + far), _claim()).iloc[0]["verdict"] == R
     # the sweep's own noise comes first: the same cells repeated in sweep "one" with 0.4% spread
     own = close + [_row("one", "granikv", 512, 1, 98.2), _row("one", "sglang_default", 512, 1, 100.2)]
-    ev = C.evaluate(_cells(noisy + own), _claim()).iloc[0]
+    ev = evaluate_mod.evaluate(_cells(noisy + own), _claim()).iloc[0]
     assert ev["n"] == 2 and ev["spread_from"] == "min-max over repetitions" and ev["verdict"] == R
     # no sweep repeats anything: no interval, the number is taken as it is
-    ev = C.evaluate(_cells(close), _claim()).iloc[0]
+    ev = evaluate_mod.evaluate(_cells(close), _claim()).iloc[0]
     assert ev["verdict"] == R and math.isnan(ev["spread_lo"]) and "no run-to-run noise" in ev["spread_from"]
 
 
@@ -113,9 +114,9 @@ def test_exceeded_and_not_measured_through_evaluate():
     res = _cells([_row("a", "granikv", 16384, r, 300.0 + r) for r in range(2)]
                  + [_row("a", "sglang_default", 16384, r, 100.0) for r in range(2)])
     sel = "workload.kind=sharegpt;workload.prefix_len=16384;system.name=granikv"
-    ev = C.evaluate(res, _claim(selectors=sel, check="point", paper_value="2.16")).iloc[0]
+    ev = evaluate_mod.evaluate(res, _claim(selectors=sel, check="point", paper_value="2.16")).iloc[0]
     assert ev["verdict"] == EX and ev["point_verdict"] == EX and ev["ours"] == pytest.approx(3.005)
-    nm = C.evaluate(res, _claim(selectors=sel.replace("16384", "8192"), check="point", paper_value="2.16")).iloc[0]
+    nm = evaluate_mod.evaluate(res, _claim(selectors=sel.replace("16384", "8192"), check="point", paper_value="2.16")).iloc[0]
     assert nm["verdict"] == NM and "prefix_len" in nm["why"]
 
 
@@ -128,20 +129,20 @@ def test_a_monotone_trend_within_the_spread_is_inconclusive():
         return _cells(rows)
     claim = _claim(selectors="workload.kind=sharegpt;system.name=granikv", statistic="monotone_ratio", check="true",
                    paper_value="", unit="bool", better="")
-    flat = C.evaluate(trend((100.0, 104.0), (101.0, 105.0)), claim).iloc[0]     # 1.02 -> 1.03, spreads overlap
+    flat = evaluate_mod.evaluate(trend((100.0, 104.0), (101.0, 105.0)), claim).iloc[0]     # 1.02 -> 1.03, spreads overlap
     assert flat["point_verdict"] == R and flat["verdict"] == INC
     assert "steps within the spread: 1.02@512 -> 1.03@1024" in flat["spread_from"]
-    clear = C.evaluate(trend((100.0, 101.0), (120.0, 121.0)), claim).iloc[0]
+    clear = evaluate_mod.evaluate(trend((100.0, 101.0), (120.0, 121.0)), claim).iloc[0]
     assert clear["verdict"] == R and "every step outside the spread" in clear["spread_from"]
-    dip = C.evaluate(trend((120.0, 121.0), (100.0, 101.0)), claim).iloc[0]      # a dip beyond the spread
+    dip = evaluate_mod.evaluate(trend((120.0, 121.0), (100.0, 101.0)), claim).iloc[0]      # a dip beyond the spread
     assert dip["verdict"] == NR
 
 
 def test_the_rule_text_is_shared_with_analysis_readme():
     readme = (ROOT / "analysis" / "README.md").read_text()
-    assert C.VERDICT_RULE in readme
-    for v in C.VERDICTS:
-        assert f"**{v}**" in C.VERDICT_RULE
+    assert rule.VERDICT_RULE in readme
+    for v in rule.VERDICTS:
+        assert f"**{v}**" in rule.VERDICT_RULE
 
 
 def test_cells_of_another_system_stay_out_of_the_four_systems_tables():
@@ -160,7 +161,7 @@ def test_cells_of_another_system_stay_out_of_the_four_systems_tables():
     assert set(b["system"]) == {"granikv", "sglang_default"}
     assert list(b.columns) == list(a.columns)                       # no extra key column from the server's cells
     pd.testing.assert_frame_equal(a.reset_index(drop=True), b.reset_index(drop=True))
-    ev = C.evaluate(mixed, _claim(selectors="workload.kind=sharegpt;workload.prefix_len=512;system.name=granikv",
+    ev = evaluate_mod.evaluate(mixed, _claim(selectors="workload.kind=sharegpt;workload.prefix_len=512;system.name=granikv",
                                   check="point", paper_value="2.16")).iloc[0]
     assert ev["ours"] == pytest.approx(2.1)                          # still over sglang_default alone
 

@@ -1,7 +1,6 @@
 """Every prefix backend equals the reference decode over random batches (CPU torch paths)."""
 import random
 from types import SimpleNamespace
-
 import pytest
 import torch
 

@@ -2,16 +2,14 @@
 the plan names the folders runners.run really writes, and each planned cell is found measured, measured
 with other settings, failed or missing from the raw results."""
 from __future__ import annotations
-
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-
 import pytest
 
-from analysis import coverage
+from analysis.exhibits.campaign import coverage
 from analysis.load import load_results
 from granikv.rawio import read_json, write_json
 from runners.campaign import CampaignItem, expand, load_campaign

@@ -1,6 +1,5 @@
 """Every YAML under conf/ composes through Hydra and instantiates its dataclasses."""
 from __future__ import annotations
-
 import importlib.util
 import itertools
 

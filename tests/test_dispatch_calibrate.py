@@ -3,7 +3,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
 import yaml
 
 from granikv import rawio

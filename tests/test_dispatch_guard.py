@@ -1,11 +1,9 @@
 """The no-regression guard: step-kind rules (graph-replayed vs eager), the COLD path of dense rules,
 the calibrator's guarded fit, old tables unchanged, and choose() staying a dict lookup per step."""
 from __future__ import annotations
-
 import random
 import warnings
 from pathlib import Path
-
 import pytest
 import torch
 import yaml

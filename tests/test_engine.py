@@ -6,7 +6,6 @@ KV budget, mixed prefix classes, requests without a prefix, arrivals over time, 
 and tensor parallelism (TP=2 and TP=4 on gloo, CPU processes).
 """
 from __future__ import annotations
-
 import os
 import random
 import socket

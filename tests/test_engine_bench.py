@@ -1,6 +1,5 @@
 """runners.engine_bench on CPU (tiny model): schema-complete cells, identical tokens across systems."""
 from __future__ import annotations
-
 import json
 
 import pytest

@@ -3,10 +3,8 @@ the static split unchanged, the scheduler's two signals (HOT grows for a prefix 
 gives back free rows under COLD pressure), and an engine run whose boundary moves both ways with the
 tokens of the no-cache reference."""
 from __future__ import annotations
-
 import random
 from pathlib import Path
-
 import pytest
 import torch
 

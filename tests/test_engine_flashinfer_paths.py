@@ -7,7 +7,6 @@ the engine <-> backend contract the H200 run relies on: pad rows, one plan per s
 It does not capture real CUDA graphs and says nothing about FlashInfer's kernels.
 """
 from __future__ import annotations
-
 import sys
 
 import pytest

@@ -6,10 +6,8 @@ decode steps were replayed from CUDA graphs (batch sizes padded), and graph repl
 same tokens as eager execution of the same system.
 """
 from __future__ import annotations
-
 import random
 from dataclasses import replace
-
 import pytest
 import torch
 

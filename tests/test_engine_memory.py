@@ -3,10 +3,8 @@ graph evicted with the wrapper set it pinned) and the KV budget's refusal to siz
 memory an earlier engine of the process still holds. Both caused failures on the H200
 (2026-11-30: OOM in multi-prefix warm-ups; KV budgets of one sweep spread over 384K-870K tokens)."""
 from __future__ import annotations
-
 from collections import OrderedDict
 from types import SimpleNamespace
-
 import pytest
 import torch
 

@@ -1,7 +1,6 @@
 """Scheduler admission: the shared prefix is matched once per admission; prefix ids, HOT starts and
 in-batch waits come from that one match and the placement's locked index node."""
 from __future__ import annotations
-
 import random
 
 import pytest

@@ -2,7 +2,6 @@
 the two-sweeps-at-once split (GRANIKV_GPU_SPLIT), what each cell's provenance then records, the
 packing of the changed cells, and the refusal of a split that cannot work."""
 from __future__ import annotations
-
 import json
 import os
 import shutil
@@ -10,7 +9,6 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
-
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,11 +4,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-
 from granikv import rawio
 from granikv.config import register
 from runners.kernel_bench_gemm_floor import resolve, run
@@ -65,7 +63,7 @@ def test_cpu_cells_are_well_formed_and_resumable(tmp_path):
         met = rawio.read_json(d / "metrics.json")
         assert met["step_ms"] == step["time_ms"] and met["device"] == "cpu" and met["step_graph"] is False
     # the analysis reads these cells, and never takes a CPU cell as a GPU floor
-    from analysis.distance_to_limit import gemm_floors
+    from analysis.measures.limit import gemm_floors
     from analysis.load import load_results
     res = load_results(tmp_path)
     assert len(res.cells) == 4 and set(res.cells["kind"]) == {"kernel"}

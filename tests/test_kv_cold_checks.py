@@ -5,7 +5,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from granikv.kv import ColdPool
 from granikv.kv.cold_pool import default_checks
 

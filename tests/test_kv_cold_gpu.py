@@ -6,7 +6,6 @@ kind of bad free caught, "sync" raising in the free itself) and the engine run w
 in both modes, over a workload that evicts from both pools.
 """
 from __future__ import annotations
-
 import random
 
 import pytest

@@ -3,13 +3,11 @@ ends, the grow / shrink rules, and a hypothesis state machine over a moving boun
 evictions, locks and COLD allocations, checked after every step against state kept by the machine
 itself (which slots it owns, which slabs it saw), not against the pools' own bookkeeping."""
 from __future__ import annotations
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
 from granikv.kv import Admission, ColdPool, DynamicSplit, HotPool, KVCache, PrefixIndex, Slab, SplitPolicy
 
 

@@ -3,7 +3,6 @@ admission that evicts stale unlocked slabs (whole, never moved) to make a contig
 Unit tests, a scheduler-level and an engine-level check, and a hypothesis state machine with
 independent oracles (which units may go, LRU order, the window chosen, all or nothing)."""
 from __future__ import annotations
-
 import random
 
 import pytest
@@ -11,7 +10,6 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
 from granikv.kv import Admission, KVCache, PrefixIndex
 
 

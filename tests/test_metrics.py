@@ -1,6 +1,5 @@
 """Serving metrics against hand-computed examples (vLLM / SGLang definitions)."""
 from __future__ import annotations
-
 import pytest
 
 from granikv.metrics import dispatch_counts, summarize

@@ -1,6 +1,5 @@
 """The decoder on its own: RoPE (incl. Llama-3 scaling), weights, TP sharding, the no-cache oracle."""
 from __future__ import annotations
-
 import math
 
 import pytest

@@ -4,7 +4,6 @@ import re
 import subprocess
 import tomllib
 from pathlib import Path
-
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]

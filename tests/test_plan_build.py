@@ -5,7 +5,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from granikv.attention.batch import DecodeBatch, host_i64
 from granikv.attention.plan import build_plan, group_classes
 from granikv.attention.policy import DenseHotPolicy, PagedPolicy, PrefixPolicy

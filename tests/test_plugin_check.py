@@ -1,7 +1,6 @@
 """runners/plugin_check.py where it cannot run (no SGLang here): a clear not-run report that still
 carries its provenance, and exit code 2, not a pass or a traceback."""
 from __future__ import annotations
-
 import json
 import os
 import subprocess

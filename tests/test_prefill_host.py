@@ -2,17 +2,16 @@
 analysis/prefill_host.py on what it writes: the table carries the file's numbers, a malformed
 file names its field, and no file means an empty table marked not measured."""
 from __future__ import annotations
-
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-
 import pytest
 import torch
 
-from analysis import prefill_host
+from analysis.exhibits.headline import prefill_host
+from analysis.measures import prefill
 from granikv.rawio import SchemaError, read_json
 from runners import prefill_bench
 
@@ -45,7 +44,7 @@ def test_bench_writes_one_file_per_tp_with_its_rows(out):
 
 
 def test_table_carries_the_files_numbers(out, tmp_path):
-    t = prefill_host.load(out)
+    t = prefill.load(out)
     assert list(zip(t["tp"], t["tokens"])) == [(1, 8), (1, 32), (2, 8), (2, 32)]
     assert set(t["allreduce"]) == {"nccl"} and t["symm_vs_nccl_max_abs_diff"].isna().all()
     d = read_json(out / "prefill_host" / "tiny_tp2" / "prefill_host.json")
@@ -64,7 +63,7 @@ def test_malformed_file_names_the_field(out, tmp_path):
     d["rows"][0]["launch_ms"] = "fast"
     (bad / "prefill_host.json").write_text(json.dumps(d))
     with pytest.raises(SchemaError, match=r"rows\[0\]\.launch_ms"):
-        prefill_host.load(tmp_path / "raw")
+        prefill.load(tmp_path / "raw")
 
 
 def test_no_file_is_not_measured(tmp_path):
@@ -118,7 +117,7 @@ def test_report_line_uses_gpu_rows_of_the_claims_model_only(out, tmp_path):
     (the tiny runs above) never stand in for a GPU."""
     import pandas as pd
 
-    from analysis.report import prefill_host_line
+    from analysis.report.steps import prefill_host_line
 
     res = type("R", (), {"root": out})()
     claim = pd.Series({"model": "tiny", "tp": "2"})
@@ -130,7 +129,7 @@ def test_report_line_uses_gpu_rows_of_the_claims_model_only(out, tmp_path):
         (gpu / f"tiny_tp{tp}").mkdir(parents=True)
         (gpu / f"tiny_tp{tp}" / "prefill_host.json").write_text(json.dumps(d))
     line = prefill_host_line(type("R", (), {"root": gpu})(), claim, {})
-    t = prefill_host.load(gpu)
+    t = prefill.load(gpu)
     two = t[t["tp"] == 2]
     assert line.startswith("Prefill steps measured alone") and "at TP=2 a step takes" in line
     assert f"{two['step_ms'].min():.1f}-{two['step_ms'].max():.1f} ms" in line
@@ -140,7 +139,7 @@ def test_report_line_uses_gpu_rows_of_the_claims_model_only(out, tmp_path):
 def test_host_profile_per_rank_and_its_table(out, tmp_path):
     """--profile-tokens (default 16): every rank's host ops of one forward reach rank 0's file; the
     ops table has a (total) row per rank and the kept ops; a malformed profile names its field."""
-    from analysis import prefill_host_ops
+    from analysis.exhibits.headline import prefill_host_ops
 
     for tp in (1, 2):
         d = read_json(out / "prefill_host" / f"tiny_tp{tp}" / "prefill_host.json")

@@ -4,7 +4,6 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
 from granikv.kv import Admission, KVCache, PrefixIndex
 
 

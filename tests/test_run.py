@@ -1,16 +1,13 @@
 """runners.run: cell folders, skip/force, failure.json, bad input before any work, telemetry."""
 from __future__ import annotations
-
 import gzip
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-
 import pytest
 from hydra import compose, initialize_config_dir
-
 from granikv import rawio, workloads
 from granikv.config import to_run_config
 from granikv.telemetry import NvmlSampler, nsys_command

@@ -10,10 +10,8 @@ import os
 import socket
 import time
 from pathlib import Path
-
 import pytest
 from hydra import compose, initialize_config_dir
-
 from granikv import metrics, rawio
 from granikv.config import register, to_run_config
 from granikv.request import Request, RequestRecord

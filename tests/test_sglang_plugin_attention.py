@@ -4,15 +4,12 @@ decision table comes from, and the per-class plan the engine's policies make ove
 rows (a HOT slab for GraniKV, paged slots for the two baselines). Plus the in-SGLang systems'
 configs: the server's command line, environment and the client's request body."""
 from __future__ import annotations
-
 import json
 from pathlib import Path
 from types import SimpleNamespace
-
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-
 from granikv.attention.batch import DecodeBatch
 from granikv.attention.dispatch import Dispatcher
 from granikv.attention.plan import build_plan

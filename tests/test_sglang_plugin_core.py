@@ -4,7 +4,6 @@ touches a locked slab and returns a slab only whole, the pool's accounting, and 
 workload checked after every step (no slot owned twice, free + used = capacity, slabs
 contiguous, KV rows where the index says they are)."""
 from __future__ import annotations
-
 import random
 
 import pytest

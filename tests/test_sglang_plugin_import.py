@@ -1,7 +1,6 @@
 """The plugin where SGLang is absent: it imports cleanly, load() does nothing (quietly), the entry
 point resolves; its settings and how a request names its shared prefix."""
 from __future__ import annotations
-
 import ast
 import importlib.metadata
 import logging
@@ -9,7 +8,6 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
-
 import pytest
 
 from granikv.sglang_plugin.settings import PREFIX_PARAM, PluginSettings, shared_prefix_len

@@ -16,7 +16,6 @@ request's row from a fresh match, move the lock). The plugin's hooks sit where
 ``granikv.sglang_plugin.cache.GraniKVRadixCache`` puts them.
 """
 from __future__ import annotations
-
 import itertools
 
 import torch

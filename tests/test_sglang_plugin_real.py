@@ -8,12 +8,10 @@ Runs only where SGLang imports (skipped otherwise): on the GPU host, or on a CPU
 SGLang's source on the path. No model, no forward pass, no CUDA: KV rows are written by hand.
 """
 from __future__ import annotations
-
 import os
 import random
 from array import array
 from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -28,7 +26,6 @@ from sglang.srt.mem_cache.common import evict_from_tree_cache  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache  # noqa: E402
-
 import granikv.sglang_plugin as plugin  # noqa: E402
 from granikv.sglang_plugin.cache import GraniKVRadixCache  # noqa: E402
 from granikv.sglang_plugin.hot_region import GONE_ATTR, SLAB_ATTR  # noqa: E402

@@ -1,6 +1,5 @@
 """Slab grouping of a decode batch's KV index rows, vectorised, against a plain loop."""
 from __future__ import annotations
-
 import random
 
 import torch

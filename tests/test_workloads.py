@@ -1,11 +1,9 @@
 """Workloads: shapes, seeding, distinct prefixes, arrivals, ShareGPT parsing and filter."""
 from __future__ import annotations
-
 import importlib.util
 import json
 import math
 from dataclasses import replace
-
 import numpy as np
 import pytest
 

@@ -45,8 +45,8 @@ def host_range(name: str):
 
 
 def prefix_mark():
-    """A ``prefix_attention`` range around a prefix-attention call (the GPU annotation
-    analysis.distance_to_limit and analysis.profiler split a step's attention by)."""
+    """A ``prefix_attention`` range around a prefix-attention call (the GPU annotation the
+    distance_to_limit and profiler exhibits split a step's attention by)."""
     return host_range("prefix_attention")
 
 

@@ -1,0 +1,1 @@
+"""Beyond the paper: where the static design loses to SGLang default, with steps and plan cost."""

@@ -1,0 +1,1 @@
+"""The campaign's books: coverage of the planned cells, reruns, and the claim map."""

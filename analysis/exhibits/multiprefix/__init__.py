@@ -1,0 +1,1 @@
+"""Several shared prefixes (B.8): uniform and heterogeneous."""

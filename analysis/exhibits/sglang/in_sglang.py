@@ -1,0 +1,189 @@
+"""The paper's four systems inside real SGLang, beside the same four in our engine.
+
+In SGLang: ``sglang_server`` (SGLang default, stock), and three systems served by the granikv plugin's
+attention backends (``granikv.sglang_plugin``, breakable decode CUDA graphs): ``sglang_server_cascade``
+(SGLang-Cascade), ``sglang_server_hydragen`` (HydraGen) and ``sglang_server_granikv`` (GraniKV, with
+its radix cache backend). In the engine: ``sglang_default``, ``sglang_cascade``, ``hydragen``,
+``granikv``. Same request sets, same replay client.
+
+Rows: per cell set and system (the paper's name), Llama-3.1-8B TP=1, B=256:
+- ``headline``: ShareGPT with one shared prefix, Lp 512 / 2K / 8K / 16K (every other Lp with an
+  in-SGLang plugin cell too), the H200's KV budget;
+- ``hetero k=4``: heterogeneous multi-prefix (2K, 4K, 8K, 16K), burst, the A100-40GB KV budget.
+
+Columns: ``cascade_impl`` (the SGLang-Cascade row: the GPU path it ran inside SGLang; the engine's
+baseline runs ``composed``) and ``decode_plan`` (how the plugin re-planned FlashInfer's decode wrappers:
+``fast`` or ``flashinfer``); a system has one row per combination it ran (VARIANTS), never pooled. ``n`` and output tok/s (repetition mean) in SGLang and in the engine, each over its own
+SGLang default (``sglang_x``: over real SGLang; ``engine_x``: over the engine's sglang_default), ITL
+and TTFT p50 in SGLang, and the plugin's own counters over the measured window: the share of decode
+rows by path, and the host time per planned decode step, whole (``plan_us``: prefix read + KV index
+list + step plan + FlashInfer's plan calls) and by stage. A counter the cell did not record (an
+older cell without the stage split, or a run whose counter file was never rewritten) is NaN.
+
+Writes tables/in_sglang.{csv,md} and figures/in_sglang.{png,pdf,csv}.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis.common import (NOT_MEASURED, THROUGHPUT, aggregate, placeholder_figure, plt, save_figure, select,
+                             sort_rows, with_derived, write_table)
+from analysis.load import Results
+from analysis.measures.sglang import BASE, PATHS, STAGES, SYSTEMS, VARIANTS, plugin_counters, variant_keys
+from analysis.paper import paper_claims
+from analysis.plots import gpu_names, lp_axis, mark_paper, system_colors, title_of
+from analysis.registry import register_exhibit
+
+
+
+NAME = "in_sglang"
+FIGURES = (NAME,)
+COMMON = {"model.name": "=llama3_8b", "tp": "=1", "workload.batch": "=256", "instrumented": "=False"}
+SETS = {"headline": {"workload.kind": "=sharegpt", "workload.num_prefixes": "=1", "hardware.name": "=h200"},
+        "hetero k=4": {"workload.kind": "=multiprefix", "workload.prefix_lens": "=notnull",
+                       "workload.num_prefixes": "=4", "hardware.name": "=a100_40gb"}}
+HEADLINE_LPS = (512, 2048, 8192, 16384)      # the Lp every in-SGLang system is planned at
+COLS = ["set", "workload.prefix_len", "system", "cascade_impl", "decode_plan", "n_sglang", "sglang_tok_s", "sglang_x", "n_engine", "engine_tok_s",
+        "engine_x", "sglang_itl_p50_ms", "sglang_ttft_p50_ms", *[f"rows_{p}" for p in PATHS], "plan_us",
+        *[f"{s}_us" for s in STAGES], "status"]
+
+
+def _mean(df: pd.DataFrame, system: str, metric: str) -> tuple[float, int]:
+    a = aggregate(df[df["system"] == system], ["system"], metric)
+    return (float(a["mean"].iloc[0]), int(a["n"].iloc[0])) if len(a) else (np.nan, 0)
+
+
+def in_sglang_table(res: Results) -> pd.DataFrame:
+    """One row per (cell set, Lp, paper system); ``not measured`` rows for planned points without a cell."""
+    cells = with_derived(res.cells) if not res.cells.empty else res.cells
+    rows = []
+    for name, sel in SETS.items():
+        df = select(cells, {**COMMON, **sel}) if not cells.empty else cells
+        plugin = {s for s, _ in SYSTEMS.values()} - {SYSTEMS[BASE][0]}
+        lps = set(HEADLINE_LPS) if name == "headline" else set()
+        if not df.empty:
+            lps |= {int(v) for v in df[df["system"].isin(plugin)]["workload.prefix_len"].dropna()}
+        if not lps:
+            rows += [{"set": name, "system": p, "n_sglang": 0, "status": NOT_MEASURED} for p in SYSTEMS]
+            continue
+        for lp in sorted(lps):
+            at = df[df["workload.prefix_len"] == lp] if not df.empty else df
+            real = _mean(at, SYSTEMS[BASE][0], THROUGHPUT)[0] if not at.empty else np.nan
+            eng_base = _mean(at, SYSTEMS[BASE][1], THROUGHPUT)[0] if not at.empty else np.nan
+            for paper, (in_sgl, eng) in SYSTEMS.items():
+                e_tok, n_e = _mean(at, eng, THROUGHPUT) if not at.empty else (np.nan, 0)
+                ours = at[at["system"] == in_sgl] if not at.empty else at
+                for var, mine in variants(ours, paper):
+                    s_tok, n_s = _mean(mine, in_sgl, THROUGHPUT) if not mine.empty else (np.nan, 0)
+                    rows.append({"set": name, "workload.prefix_len": lp, "system": paper, **var,
+                                 "n_sglang": n_s, "sglang_tok_s": s_tok, "sglang_x": s_tok / real, "n_engine": n_e,
+                                 "engine_tok_s": e_tok, "engine_x": e_tok / eng_base,
+                                 "sglang_itl_p50_ms": _mean(mine, in_sgl, "itl_p50_ms")[0] if n_s else np.nan,
+                                 "sglang_ttft_p50_ms": _mean(mine, in_sgl, "ttft_p50_ms")[0] if n_s else np.nan,
+                                 **plugin_counters(mine), "status": "measured" if n_s else NOT_MEASURED})
+    return sort_rows(pd.DataFrame(rows, columns=COLS), ["set", "workload.prefix_len", "system", *VARIANTS])
+
+
+def variants(ours: pd.DataFrame, paper: str) -> list[tuple[dict, pd.DataFrame]]:
+    """``ours`` (one system's cells at one point) split by the plugin settings it ran with: one
+    (values, cells) per distinct combination, today's first; ("", ...) for a key that does not
+    apply. No cells: one empty group (the point's ``not measured`` row)."""
+    blank = {k: "" for k in VARIANTS}
+    keys = [k for k in variant_keys(paper) if f"system.{k}" in ours.columns]
+    if ours.empty or not keys:
+        return [(blank, ours)]
+    vals = ours[[f"system.{k}" for k in keys]].astype(object).where(ours[[f"system.{k}" for k in keys]].notna(), "")
+    combos = sorted({tuple(str(v) for v in r) for r in vals.itertuples(index=False)},
+                    key=lambda c: (c != tuple(VARIANTS[k] for k in keys), c))
+    out = []
+    for combo in combos:
+        mask = np.logical_and.reduce([vals[f"system.{k}"].astype(str) == v for k, v in zip(keys, combo)])
+        out.append(({**blank, **dict(zip(keys, combo))}, ours[mask]))
+    return out
+
+
+def is_current(row: pd.Series) -> bool:
+    """Whether a table row ran with today's plugin settings (VARIANTS; "" = does not apply)."""
+    return all(row[k] in ("", v) for k, v in VARIANTS.items())
+
+
+def draw(t: pd.DataFrame, res: Results, out: Path) -> None:
+    m = t[t["status"] == "measured"]
+    h = m[m["set"] == "headline"]
+    if h.empty:
+        placeholder_figure(NAME, out, "no in-SGLang plugin cells on the headline workload")
+        return
+    col = system_colors(SYSTEMS)
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4), gridspec_kw={"width_ratios": [1.1, 1.1, 0.8]})
+    for (paper, *var), g in h.groupby(["system", *VARIANTS], sort=False):
+        g = g.sort_values("workload.prefix_len")
+        x = g["workload.prefix_len"].astype(int)
+        shown = ", ".join(v for v in var if v)
+        tag = f"{paper}{f' ({shown})' if shown else ''} in SGLang"
+        first = is_current(g.iloc[0])    # today's settings: solid, with the engine line once
+        a.plot(x, g["sglang_tok_s"], marker="o", color=col[paper], label=tag, ls="-" if first else "-.")
+        if first:
+            a.plot(x, g["engine_tok_s"], marker="s", ls="--", color=col[paper], alpha=0.6, label=f"{paper} (engine)")
+        if paper != BASE:
+            b.plot(x, g["sglang_x"], marker="o", color=col[paper], label=tag, ls="-" if first else "-.")
+            if first:
+                b.plot(x, g["engine_x"], marker="s", ls="--", color=col[paper], alpha=0.6, label=f"{paper} (engine)")
+    claim = paper_claims(["headline_llama8b_in_sglang"])
+    if len(claim) and np.isfinite(claim["value"].iloc[0]):
+        mark_paper(b, 16384, float(claim["value"].iloc[0]))
+    b.axhline(1.0, color="0.5", lw=0.8)
+    for ax, yl in ((a, "output tok/s"), (b, "output throughput / own SGLang default")):
+        ax.set_xlabel("shared prefix Lp (tokens)")
+        ax.set_ylabel(yl)
+        lp_axis(ax, h["workload.prefix_len"].astype(int))
+        ax.legend(fontsize=7)
+    a.set_title("headline, ShareGPT, B=256 (solid: in SGLang; dashed: engine)", fontsize=9)
+    b.set_title("ratio to SGLang default (real SGLang / the engine's)", fontsize=9)
+    k = m[(m["set"] == "hetero k=4") & (m["system"] != BASE)]
+    if k.empty:
+        c.axis("off")
+        c.text(0.5, 0.5, f"hetero k=4: {NOT_MEASURED}", ha="center", va="center")
+    else:
+        xs = np.arange(len(k))
+        c.bar(xs - 0.2, k["sglang_x"], 0.4, color=[col[s] for s in k["system"]], label="in SGLang")
+        c.bar(xs + 0.2, k["engine_x"], 0.4, color=[col[s] for s in k["system"]], alpha=0.45, hatch="//",
+              label="engine")
+        c.set_xticks(xs, [s + "".join(f"\n{v}" for v in var if v)
+                          for s, *var in k[["system", *VARIANTS]].itertuples(index=False)], fontsize=8)
+        c.axhline(1.0, color="0.5", lw=0.8)
+        c.set_ylabel("output throughput / own SGLang default")
+        c.legend(fontsize=7)
+        c.set_title("heterogeneous k=4, A100-40GB KV budget", fontsize=9)
+    cells = select(with_derived(res.cells), {"system": "~sglang_server"}) if not res.cells.empty else res.cells
+    fig.suptitle(title_of("The four systems inside real SGLang and in the engine", gpu_names(cells),
+                          ["Llama-3.1-8B TP=1"]), fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, NAME, out, data=m[["set", "workload.prefix_len", "system", "sglang_tok_s", "sglang_x",
+                                        "engine_tok_s", "engine_x"]])
+
+
+@register_exhibit(NAME, figures=FIGURES)
+def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
+    """Write this module's table (and, unless ``figures`` is False, its figure); return the table."""
+    t = in_sglang_table(res)
+    write_table(t, NAME, out, {"sglang_tok_s": 0, "engine_tok_s": 0, "sglang_x": 2, "engine_x": 2,
+                               "sglang_itl_p50_ms": 1, "sglang_ttft_p50_ms": 0, **{f"rows_{p}": 2 for p in PATHS},
+                               "plan_us": 0, **{f"{s}_us": 0 for s in STAGES}},
+                title="The four systems inside real SGLang (granikv plugin) and in our engine, Llama-3.1-8B TP=1, B=256",
+                note="sglang_x: output throughput over real SGLang default (sglang_server) on the same requests; "
+                     "engine_x: the engine's system over the engine's sglang_default. rows_*: share of the plugin's "
+                     "decode rows by path; plan_us: host time per planned decode step (prefix read + KV index list + "
+                     "step plan + FlashInfer's plan calls), then by stage (make includes the dispatcher, dispatch); "
+                     "cascade_impl: the GPU path SGLang-Cascade ran inside SGLang (the engine's runs composed: "
+                     "batch prefill + tensor-core decode + merge; multilevel: FlashInfer's MultiLevelCascadeAttentionWrapper, "
+                     "slower in kernel and plan time); decode_plan: how the plugin re-planned FlashInfer's decode "
+                     "wrappers each step (fast: FlashInfer's fast_decode_plan, as SGLang's own backend; flashinfer: "
+                     "the wrapper's plan(), a Python max() over the batch included); one row per setting, never pooled; "
+                     "NaN: not recorded. headline: ShareGPT, one shared prefix, H200 KV budget; hetero k=4: prefixes "
+                     "2K/4K/8K/16K, burst, A100-40GB KV budget (Lp column: the workload's nominal Lp).")
+    if figures:
+        draw(t, res, out)
+    return t

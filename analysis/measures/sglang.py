@@ -1,0 +1,83 @@
+"""The paper's systems inside real SGLang: the plugin's counters and today's plugin settings."""
+from __future__ import annotations
+import numpy as np
+import pandas as pd
+
+from analysis.common import NULL, identity
+
+
+
+
+
+
+# paper name -> (system inside real SGLang, system in our engine)
+SYSTEMS = {"sglang_default": ("sglang_server", "sglang_default"),
+           "sglang_cascade": ("sglang_server_cascade", "sglang_cascade"),
+           "hydragen": ("sglang_server_hydragen", "hydragen"),
+           "granikv": ("sglang_server_granikv", "granikv")}
+
+
+BASE = "sglang_default"
+
+
+PATHS = ("dense", "cascade", "hydragen", "paged")
+
+
+STAGES = ("prefix", "index", "make", "load", "dispatch")
+
+
+# the plugin settings a row is split by (never pooled across), and today's values
+# (conf/system/sglang_server_{cascade,hydragen,granikv}.yaml): cascade_impl for SGLang-Cascade only
+VARIANTS = {"cascade_impl": "composed", "decode_plan": "fast"}
+
+
+def plugin_counters(cells: pd.DataFrame) -> dict:
+    """The plugin's counters summed over ``cells`` (one system and point): row shares by path and host
+    microseconds per split step (NaN where not recorded; see the module docstring)."""
+    out = {**{f"rows_{p}": np.nan for p in PATHS}, "plan_us": np.nan, **{f"{s}_us": np.nan for s in STAGES}}
+    if cells.empty or "plugin.steps" not in cells.columns:
+        return out
+    rec = cells[cells["plugin.steps"].fillna(0) > 0]      # a window with no step counted recorded nothing
+    if rec.empty:
+        return out
+    rows = {p: rec.get(f"plugin.rows.{p}", pd.Series(0.0, index=rec.index)).fillna(0).sum() for p in PATHS}
+    total = sum(rows.values())
+    steps = rec["plugin.split_steps"].fillna(0).sum()
+    if total:
+        out.update({f"rows_{p}": rows[p] / total for p in PATHS})
+    if steps:
+        for col, key in [("plan_us", "plugin.plan_us")] + [(f"{s}_us", f"plugin.{s}_us") for s in STAGES]:
+            if key in rec.columns and rec[key].notna().all():
+                out[col] = float(rec[key].sum()) / steps
+    return out
+
+
+def prefer_current(cells: pd.DataFrame, config_cols) -> pd.DataFrame:
+    """``cells`` without the in-SGLang plugin cells that ran with other plugin settings (VARIANTS)
+    than today's, where the same configuration otherwise (every identity column but those settings)
+    has a cell with today's: the claims measure today's plugin, and never pool across its settings.
+    A configuration measured only with older settings keeps its cells (the table names them)."""
+    if cells.empty or "system.name" not in cells.columns:
+        return cells
+    systems = cells["system.name"].astype(str)
+    plug = systems.isin([s for p, (s, _) in SYSTEMS.items() if p != BASE])
+    var_cols = [f"system.{k}" for k in VARIANTS if f"system.{k}" in cells.columns]
+    if not plug.any() or not var_cols:
+        return cells
+    current = pd.Series(True, index=cells.index)
+    for k, today in VARIANTS.items():
+        col = f"system.{k}"
+        if col in cells.columns:
+            applies = systems == SYSTEMS["sglang_cascade"][0] if k == "cascade_impl" else pd.Series(True, index=cells.index)
+            current &= ~applies | (cells[col].astype(str) == today)
+    keys = [c for c in identity(cells, config_cols) if c not in var_cols]
+    group = cells[keys].astype(object).where(cells[keys].notna(), NULL).astype(str).agg("|".join, axis=1)
+    with_current = set(group[plug & current])
+    return cells[~(plug & ~current & group.isin(with_current))]
+
+
+def variant_keys(paper: str) -> list[str]:
+    """The VARIANTS keys that split ``paper``'s in-SGLang rows (none for SGLang default)."""
+    if paper == BASE:
+        return []
+    return [k for k in VARIANTS if k != "cascade_impl" or paper == "sglang_cascade"]

@@ -1,0 +1,87 @@
+"""The paper's claims (results/paper/claims.csv): the file, checked against its schema, and a paper
+value as the figures draw it (:func:`paper_claims`) and the REPORT writes it (:func:`paper_shown`).
+What a claim's ``statistic`` computes and how its verdict is reached is analysis.verdict's."""
+from __future__ import annotations
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis.common import config_label, parse_selectors
+
+
+
+
+
+
+CLAIMS_CSV = Path(__file__).resolve().parents[1] / "results" / "paper" / "claims.csv"
+
+
+CHECKS = ("point", "range", "bound_ge", "bound_le", "true")
+FRAMES = ("cells", "kernels", "trace", "steps")
+
+
+def read_claims(path: str | Path = CLAIMS_CSV) -> pd.DataFrame:
+    """claims.csv, checked: unique ids, known checks and frames, numbers where needed (the statistic's
+    name is checked where the statistics are: analysis.verdict.evaluate.load_claims)."""
+    df = pd.read_csv(path, dtype=str, keep_default_na=False)
+    need = ["id", "section", "claim", "model", "tp", "frame", "selectors", "metric", "statistic", "baseline", "check",
+            "paper_value", "paper_value_hi", "unit", "better", "comparison", "source"]
+    miss = [c for c in need if c not in df.columns]
+    if miss:
+        raise ValueError(f"{path}: missing columns {miss}")
+    if df["id"].duplicated().any():
+        raise ValueError(f"{path}: duplicate ids {sorted(df.loc[df['id'].duplicated(), 'id'])}")
+    for _, r in df.iterrows():
+        where = f"{path}: claim `{r['id']}`"
+        if r["check"] not in CHECKS:
+            raise ValueError(f"{where}: field `check` is '{r['check']}', not one of {CHECKS}")
+        if r["frame"] not in FRAMES:
+            raise ValueError(f"{where}: field `frame` is '{r['frame']}', not cells | kernels | trace | steps")
+        if r["check"] != "true":
+            float(r["paper_value"])  # raises with the value in the message
+        parse_selectors(r["selectors"]), parse_selectors(r["baseline"])
+    return df
+
+
+def paper_shown(c: pd.Series) -> str:
+    """The paper's value as the report prints it (``>= 0.97 x``, ``1.05-1.15 x``, ``yes``)."""
+    if c["check"] == "true":
+        return "yes"
+    v, hi, u = c["paper_value"], c["paper_value_hi"], c["unit"]
+    op = {"bound_ge": ">= ", "bound_le": "<= "}.get(c["check"], "")
+    return f"{op}{v}{'-' + hi if hi else ''} {u}".strip()
+
+
+def paper_claims(ids=None) -> pd.DataFrame:
+    """results/paper/claims.csv with the selectors spelt out: ``config`` (model TP), ``lp``, ``batch``,
+    ``k``, ``hardware``, ``system`` and ``base_system`` (the baseline's system, if it names one), ``value``
+    and ``value_hi`` as numbers. ``ids``: only these claims (in claims.csv order)."""
+    c = read_claims()
+    if ids is not None:
+        c = c[c["id"].isin(list(ids))]
+    rows = []
+    for _, r in c.iterrows():
+        sel, base = parse_selectors(r["selectors"]), parse_selectors(r["baseline"])
+
+        def val(d, k):
+            v = d.get(k, "")
+            return v[1:] if v.startswith("=") else None
+        num = lambda x: float(x) if x not in (None, "") else np.nan  # noqa: E731
+        rows.append({"id": r["id"], "check": r["check"], "unit": r["unit"], "metric": r["metric"],
+                     "workload": val(sel, "workload.kind"), "statistic": r["statistic"],
+                     "config": config_label(r["model"], int(r["tp"])) if str(r["tp"]).isdigit() else None,
+                     "lp": num(val(sel, "workload.prefix_len")), "batch": num(val(sel, "workload.batch")),
+                     "k": num(val(sel, "workload.num_prefixes")), "hardware": val(sel, "hardware.name"),
+                     "system": val(sel, "system.name"), "base_system": val(base, "system.name"),
+                     "value": num(r["paper_value"]), "value_hi": num(r["paper_value_hi"])})
+    return pd.DataFrame(rows, columns=["id", "check", "unit", "metric", "workload", "statistic", "config", "lp", "batch",
+                                       "k", "hardware", "system", "base_system", "value", "value_hi"])
+
+
+def paper_value_shown(c: pd.Series) -> str:
+    """The paper's value without its unit (``>= 0.97``, ``1.05-1.15``, ``yes``)."""
+    if c["check"] == "true":
+        return "yes"
+    op = {"bound_ge": ">= ", "bound_le": "<= "}.get(c["check"], "")
+    return f"{op}{c['paper_value']}{'-' + c['paper_value_hi'] if c['paper_value_hi'] else ''}"

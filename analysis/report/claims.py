@@ -1,0 +1,104 @@
+"""The REPORT's claims: the table's cells, the close calls, and one section per claim."""
+from __future__ import annotations
+import re
+
+import numpy as np
+import pandas as pd
+
+from analysis.common import NOT_MEASURED, PAPER_HARDWARE
+from analysis.load import Results
+from analysis.paper import paper_shown
+from analysis.report.explain import explain
+from analysis.verdict.rule import CLOSE, INCONCLUSIVE, VERDICTS
+
+
+def close_calls(ev: pd.DataFrame, close: float = CLOSE) -> list[str]:
+    """REPORT lines for the verdicts within ``close`` (relative) of the value where they flip: a close call
+    rests on the run-to-run spread of the cells behind it, so more repetitions may turn it."""
+    m = pd.to_numeric(ev["margin"], errors="coerce")
+    keep = ((m < close) & (ev["verdict"] != NOT_MEASURED)).to_numpy()
+    cc = ev[keep].iloc[np.argsort(m[keep].to_numpy(), kind="stable")]
+    if cc.empty:
+        return []
+    L = ["", f"## Close calls: within {close:.0%} of the value where the verdict flips", "",
+         "Our number would change the verdict if it moved by less than this much; read these verdicts together "
+         "with the repetitions behind them (tables/coverage.md names the missing ones)."]
+    for _, c in cc.iterrows():
+        n, reps = int(c["configs"]), int(c["n"] or 0)
+        behind = f"{n} configuration{'s' if n != 1 else ''}" + (
+            f", the fewest repetitions behind one: {reps}" if reps else "")
+        flip = (f"it flips at {c['flips_at']:.4g}, {c['margin']:.1%} away" if np.isfinite(float(c["flips_at"]))
+                else f"it turns on its {c['margin_note']} ({c['margin']:.1%})")
+        who = str(c.get("decider", "") or "")
+        L.append(f"- `{c['id']}`: ours {c['ours_shown']} ({behind}), **{c['verdict']}**; {flip} "
+                 f"(paper {paper_shown(c)}).{' Deciding cells: ' + who + '.' if who else ''}")
+    return L
+
+
+def short_claim(text: str) -> str:
+    """A claim's text without its parenthesised details and after its first ';': for the claims table."""
+    out = text
+    while True:                                   # innermost parentheses first
+        nxt = re.sub(r"\s*\([^()]*\)", "", out)
+        if nxt == out:
+            break
+        out = nxt
+    return out.split(";")[0].strip()
+
+
+def ours_compact(c: pd.Series) -> str:
+    """Our number as the claims table shows it (the whole of it is in the claim's section)."""
+    shown = str(c["ours_shown"])
+    if not shown:
+        return NOT_MEASURED
+    if c["statistic"] == "amdahl_overshoot":
+        m = re.search(r"predicted ([0-9.]+).*measured ([0-9.]+)", shown)
+        return f"predicted {m.group(1)} vs measured {m.group(2)}" if m else shown
+    if c["statistic"] == "roofline_shift":
+        m = re.findall(r"(\w+)-bound", shown)
+        return " -> ".join(m) + " bound" if m else shown
+    if c["check"] == "true":
+        return shown.split(":")[0]
+    return shown.split(";")[0].split(" (")[0]
+
+
+def spread_kind(c: pd.Series) -> str:
+    """Where a claim's interval comes from, in a word: reps, noise, reps+noise (or '' without one)."""
+    f = str(c.get("spread_from", ""))
+    if str(c.get("spread_shown", "-")) in ("", "-"):
+        return ""
+    return "reps+noise" if f.startswith("min-max over repetitions;") and "where n=1" in f else \
+        "reps" if f.startswith("min-max") else "noise" if f.startswith("n=1") else ""
+
+
+def tally(ev: pd.DataFrame) -> str:
+    """``15 reproduced, 7 exceeded, ...`` over the five verdicts, in their order."""
+    counts = ev["verdict"].value_counts()
+    return ", ".join(f"{int(counts.get(v, 0))} {v}" for v in VERDICTS)
+
+
+def claim_section(res: Results, ev: pd.DataFrame, c: pd.Series, cache: dict) -> list[str]:
+    """The REPORT's section of one claim: the claim, both numbers, repetitions and interval, the verdict
+    with its margin, and the explanations measured for it (nothing written for another claim)."""
+    L = ["", f"### `{c['id']}`", "", f"**{c['verdict']}**. {c['claim']} ({c['section']})", "",
+         f"- Paper: {paper_shown(c)} on {PAPER_HARDWARE}. Ours: "
+         + (f"{c['ours_shown']} on {c['our_hardware'] or '?'} (from {c['source']})." if c["verdict"] != NOT_MEASURED
+            else f"{NOT_MEASURED}: {c['why']}")]
+    if c["verdict"] == NOT_MEASURED:
+        return L
+    n, k = int(c["n"] or 0), int(c["configs"] or 0)
+    reps = f"n = {n} repetition{'s' if n != 1 else ''}" if n else "repetitions not tracked by this statistic"
+    L.append(f"- {reps}, over {k} configuration{'s' if k != 1 else ''}; interval "
+             f"{c['spread_shown'] or '-'} ({c['spread_from'] or 'none'}).")
+    v = []
+    if c["verdict"] == INCONCLUSIVE:
+        v.append(f"Inconclusive: the interval spans {c['between']} (without the noise: {c['point_verdict']}); "
+                 "more repetitions of the deciding cells settle it.")
+    if c.get("margin_shown"):
+        v.append(f"Margin to the nearest threshold: {c['margin_shown']}.")
+    if c.get("decider"):
+        v.append(f"Deciding cells: {c['decider']}.")
+    if v:
+        L.append("- " + " ".join(v))
+    L += [f"- {x}" for x in explain(res, ev, c, cache)]
+    return L
