@@ -31,7 +31,7 @@ import pandas as pd
 
 from analysis.common import NOT_MEASURED, NULL, aggregate, placeholder_figure, plt, save_figure, sort_rows, write_table
 from analysis.load import Results
-from analysis.measures.kernels import DERIVED_KINDS, describe_columns, kernel_frame
+from analysis.measures.kernels import DERIVED_KINDS, OWN_EXHIBIT_KINDS, describe_columns, kernel_frame
 from analysis.paper import paper_claims
 from analysis.plots import PAPER_LABEL, lp_axis, title_of
 from analysis.registry import register_exhibit
@@ -112,6 +112,8 @@ def roofline(t: pd.DataFrame, keys: list[str], out: Path) -> None:
 def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     """Write this module's table (and, unless ``figures`` is False, its figures); return the table."""
     k = kernel_frame(res)
+    if "cell.kind" in k.columns:
+        k = k[~k["cell.kind"].isin(DERIVED_KINDS + OWN_EXHIBIT_KINDS)]
     if k.empty:
         t = pd.DataFrame([{"status": NOT_MEASURED, "why": "no kernel.jsonl rows (run python -m runners.kernel_bench)"}])
         write_table(t, NAME, out, title="Kernel mechanism (attention microbenchmark)")
@@ -119,8 +121,6 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
             return t
         placeholder_figure("kernel_roofline", out, "no kernel.jsonl rows under the results folder")
         return t
-    if "cell.kind" in k.columns:
-        k = k[~k["cell.kind"].isin(DERIVED_KINDS)]
     k = k.assign(time_us=1e3 * k["time_ms"])
     keys = describe_columns(res, k)
     agg = aggregate(k, keys, "time_us")
@@ -144,7 +144,7 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
                      "time passes the measured bandwidth peak (a device-to-device copy): a few percent above it "
                      "a read-only stream beats the copy, far above it part of the reads came from the L2 cache "
                      "(requests of one launch reading the same prefix pages). calibration_fit rows (copies of "
-                     "the calibration cells' times) are not repeated.")
+                     "the calibration cells' times) are not repeated; hot_batch cells are in tables/hot_batch.md.")
     if not figures:
         return t
     roofline(t, keys, out)
