@@ -185,7 +185,9 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
         if decode and not in_capture and self._breakable:
             bs = forward_batch.batch_size
             raw = bs - int(getattr(forward_batch, "num_padding", 0) or 0)
-            self.decode.policy.graph_step = True       # a replayed step (its attention runs as an eager break)
+            # the dispatcher is keyed by how the attention runs: eagerly, at the graph's break (the table's
+            # eager rules, which count the host's launches), though the rest of the step replays
+            self.decode.policy.graph_step = False
             if self._plan(forward_batch, raw):
                 return
             super().init_forward_metadata_out_graph(forward_batch, in_capture)
