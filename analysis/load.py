@@ -12,7 +12,10 @@ A cell is any folder under the results root holding ``config.json``, ``metrics.j
 
 ``load_steps(cell_path)`` reads one cell's dispatch trace (``steps.jsonl``, or ``.jsonl.gz``); ``read_rows(path,
 skip=TOKEN_LISTS)`` reads a ``requests.jsonl`` without decoding its per-token lists. Anything that does not match
-the schema raises :class:`granikv.rawio.SchemaError` naming the file and the field.
+the schema raises :class:`granikv.rawio.SchemaError` naming the file and the field (a truncated or
+otherwise unreadable JSON file too). A file in a cell folder that no runner writes (``KNOWN_FILES``) is
+listed in one warning per load. ``superseded`` lists the cells a forced rerun moved aside, kept, to
+``<sweep>/.superseded/<cell_id>.<UTC time>/`` (hidden folders are never read as cells).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import gzip
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +33,11 @@ from granikv.rawio import (CELL_KINDS, PROVENANCE_KEYS, REQUIRED_FILES, SERVING_
                            data_path, exists as rawio_exists, flatten, read_json, read_jsonl)
 
 CELL_MARKERS = ("config.json", "metrics.json", "failure.json")
+# what the runners write into a cell folder (a .jsonl also as .jsonl.gz); anything else is listed in a warning
+KNOWN_FILES = re.compile(r"(config|metrics|failure|prefill_host|summary)\.json|"
+                         r"(requests|steps|workload|kernel)\.jsonl(\.gz)?|nvml\.csv|trace\.json(\.gz)?|"
+                         r"profile\.nsys-rep|server_[a-z_]+\.txt")
+SUPERSEDED = ".superseded"   # runners.run: <sweep>/.superseded/<cell_id>.<UTC time>/, a cell a forced rerun replaced
 
 
 @dataclass
@@ -43,6 +52,8 @@ class Results:
     kernel_columns: list[str] = field(default_factory=list)  # fields of kernel.jsonl rows
     # finished serving cells left out of the tables and claims (analysis.clean.prefer_clean), with why
     set_aside: pd.DataFrame = field(default_factory=pd.DataFrame)
+    # finished cells a forced rerun replaced (kept under <sweep>/.superseded/): sweep, cell_id, path, rows as `cells`
+    superseded: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
 def find_cells(root: str | Path) -> list[Path]:
@@ -66,7 +77,10 @@ def _need(cond: bool, path: Path, fld: str, what: str) -> None:
 
 
 def _read_dict(path: Path) -> dict:
-    obj = read_json(path)
+    try:
+        obj = read_json(path)
+    except (SchemaError, UnicodeDecodeError) as e:   # truncated by a kill, or not text at all
+        raise SchemaError(f"{path}: cannot be read as JSON ({e}). Fix: {FIX}") from e
     _need(isinstance(obj, dict), path, "<top level>", f"must be a JSON object, got {type(obj).__name__}")
     return obj
 
@@ -173,6 +187,28 @@ ADDED_CONFIG_DEFAULTS = {"system.cascade_impl": "multilevel", "system.decode_pla
 ADDED_SERVER_DEFAULTS = {"system.server.radix_cache_backend": "", "system.server.send_prefix_len": False}
 
 
+def unknown_files(cell: Path) -> list[str]:
+    """Files of a cell folder that no runner writes (``KNOWN_FILES``), e.g. a killed write's temp file."""
+    return sorted(p.name for p in cell.iterdir() if p.is_file() and not KNOWN_FILES.fullmatch(p.name))
+
+
+def find_superseded(root: str | Path) -> list[Path]:
+    """Every ``<sweep>/.superseded/<cell_id>.<UTC time>/`` folder under ``root`` (sorted)."""
+    return sorted(p for p in Path(root).rglob(f"{SUPERSEDED}/*") if p.is_dir()) if Path(root).exists() else []
+
+
+def _superseded_frame(root: Path) -> pd.DataFrame:
+    """One row per finished superseded cell: ``sweep`` and ``cell_id`` of the cell it was (its config says),
+    ``path`` where it is kept, then its config and metrics as in ``cells``."""
+    rows = []
+    for old in find_superseded(root):
+        state, row, _, _ = _load_cell(root, old)
+        if state == "done":
+            cid = row.get("cell.cell_id") or old.name.rsplit(".", 1)[0]
+            rows.append({**row, "sweep": str(old.relative_to(root).parent.parent), "cell_id": cid})
+    return pd.DataFrame(rows)
+
+
 def load_results(root: str | Path = "results/raw") -> Results:
     """Load every cell under ``root`` (a missing root is an empty result, not an error)."""
     root = Path(root)
@@ -180,7 +216,9 @@ def load_results(root: str | Path = "results/raw") -> Results:
     config_cols: set[str] = set()
     serving_cols: set[str] = set()
     kernel_cols: set[str] = set()
+    unknown: list[str] = []
     for cell in find_cells(root) if root.exists() else []:
+        unknown += [str(cell.relative_to(root) / f) for f in unknown_files(cell)]
         state, row, krows, keys = _load_cell(root, cell)
         (done if state == "done" else failed).append(row)
         kernels.extend(krows)
@@ -208,8 +246,14 @@ def load_results(root: str | Path = "results/raw") -> Results:
     failures = pd.DataFrame(failed, columns=None if failed else ["sweep", "cell_id", "path", "state", "error"])
     if not failures.empty:
         failures = failures.sort_values(["sweep", "cell_id"], kind="stable").reset_index(drop=True)
+    if unknown:
+        warnings.warn(f"{len(unknown)} file(s) in cell folders under {root} that no runner writes, not read: "
+                      + ", ".join(unknown[:10]) + (", ..." if len(unknown) > 10 else "")
+                      + ". A `.<name>.*.tmp` is a killed write's leftover (rerunning the sweep command removes it); "
+                      "move anything else out of the results tree", stacklevel=2)
     return Results(root=root, cells=cells, failures=failures, kernels=pd.DataFrame(kernels),
-                   config_columns=sorted(config_cols), kernel_columns=sorted(kernel_cols))
+                   config_columns=sorted(config_cols), kernel_columns=sorted(kernel_cols),
+                   superseded=_superseded_frame(root))
 
 
 def load_steps(cell_path: str | Path, explode: str | None = None) -> pd.DataFrame:

@@ -18,6 +18,7 @@ from analysis.clean import prefer_clean, prefer_rerun
 from analysis.load import load_results
 from analysis.exhibits import exhibits
 from analysis.report.write import write_report
+from granikv.rawio import SchemaError
 
 EXHIBITS = exhibits("paper")
 
@@ -56,7 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(a.results).exists():
         print(f"note: {a.results} does not exist yet: every cell is reported as not measured", file=sys.stderr)
     t0 = time.perf_counter()
-    r = run(a.results, a.out, a.only)
+    try:
+        r = run(a.results, a.out, a.only)
+    except SchemaError as e:   # a raw file that does not match the schema: the message names it and the fix
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     res = r["results"]
     print(f"analysis: {len(res.cells) + len(res.set_aside)} cells ({len(res.set_aside)} set aside), "
           f"{len(res.failures)} failed/unfinished, {len(res.kernels)} kernel rows from {a.results}")

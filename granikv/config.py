@@ -326,8 +326,10 @@ def register() -> None:
     """Register every schema in Hydra's ConfigStore (idempotent).
 
     ``conf/config.yaml`` starts from ``run_schema`` and every group option from
-    ``<group>_schema``, so a YAML key that the dataclass lacks (or a value of the wrong type)
-    is rejected when Hydra composes the config.
+    ``/<group>_schema@_here_``, so a YAML key that the dataclass lacks (or a value of the wrong type)
+    is rejected when Hydra composes the config. The schemas are root configs, not options of their
+    groups: Hydra's errors and ``--help`` offer only the YAML options (``model=tiny``, never
+    ``model=model_schema``).
     """
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
@@ -336,10 +338,9 @@ def register() -> None:
     OmegaConf.register_new_resolver("len", lambda xs: len(xs), replace=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
-    cs.store(group="model", name="model_schema", node=ModelConfig)
-    cs.store(group="system", name="system_schema", node=SystemConfig)
-    cs.store(group="workload", name="workload_schema", node=WorkloadConfig)
-    cs.store(group="hardware", name="hardware_schema", node=HardwareConfig)
+    for group, node in (("model", ModelConfig), ("system", SystemConfig), ("workload", WorkloadConfig),
+                        ("hardware", HardwareConfig)):
+        cs.store(name=f"{group}_schema", node=node)
 
 
 def to_run_config(cfg: Any) -> RunConfig:

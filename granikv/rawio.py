@@ -291,6 +291,21 @@ def provenance(cuda_probe: bool = True) -> dict:
     }
 
 
+def gpu_count_nvml() -> int:
+    """How many GPUs NVML sees (0 without NVML), without a CUDA context."""
+    return _nvml_gpus()[1]
+
+
+def remove_temp_files(cell_dir: str | Path) -> list[Path]:
+    """Remove the temp files of atomic writes (``.<name>.<random>.tmp``) from a cell folder: what a write
+    killed before its rename leaves. Call only while nothing writes the cell. Returns the files removed."""
+    d = Path(cell_dir)
+    gone = sorted(d.glob(".*.tmp")) if d.is_dir() else []
+    for p in gone:
+        p.unlink(missing_ok=True)
+    return gone
+
+
 def cell_state(cell_dir: str | Path) -> str:
     """``done`` (metrics.json), ``failed`` (failure.json), ``partial`` or ``absent``."""
     d = Path(cell_dir)

@@ -13,10 +13,17 @@ out). It holds config.json (resolved config + provenance), workload.jsonl (the t
 ids regenerate from seed + workload), requests.jsonl.gz (with output_ids), steps.jsonl.gz (the
 dispatch trace; gzip: granikv.rawio reads either form), metrics.json (written last: its presence marks the cell done) and
 telemetry files when available (nvml.csv, trace.json.gz, profile.nsys-rep). A cell with
-metrics.json is skipped unless ``force=true``. A failing cell writes failure.json (error,
-traceback, config) and a sweep goes on. Bad input fails before any work with the key named:
-a sweep checks all its cells first (SweepPrecheck). Under torchrun every rank serves and rank 0
-writes.
+metrics.json is skipped unless ``force=true``; a forced rerun measures into
+``<sweep_name>/.forced/<cell_id>/`` and only once it is complete moves the old cell aside, kept, to
+``<sweep_name>/.superseded/<cell_id>.<UTC time>/`` (analysis reads neither dot folder as a cell;
+tables/reruns lists the superseded ones). Temp files a killed write left in a cell are removed when
+the cell is visited again. A failing cell writes failure.json (error, traceback, config) and a sweep
+goes on; it ends with a summary line (measured, skipped, failed) and exits 1 when a cell failed.
+Bad input fails before any work with the key named and exit 2, in a single run as in a sweep (a
+sweep checks all its cells first, SweepPrecheck): values, KV fit, context length, a CUDA preset
+without a GPU, a server system whose launcher its interpreter cannot import. A run without a sweep
+preset names its folder (``sweep_name=`` or ``results_dir=``): nothing lands in results/raw/adhoc by
+accident. Under torchrun every rank serves and rank 0 writes.
 """
 from __future__ import annotations
 
@@ -30,12 +37,14 @@ import shutil
 import subprocess
 import sys
 import traceback
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
@@ -48,6 +57,8 @@ register()
 
 EXCLUDED_KEYS = {"results_dir", "sweep_name", "sweep", "launcher", "force", "nvml", "nsys"}
 MAX_ID = 200
+FORCED, SUPERSEDED = ".forced", ".superseded"   # beside the cells of a sweep: a forced rerun, the cells it replaced
+MEASURED, SKIPPED, FAILED = "measured", "skipped", "failed"   # what a run did with its cell
 
 
 class ConfigError(ValueError):
@@ -132,6 +143,16 @@ def check_workload(rc: RunConfig, requests: Optional[list[Request]] = None) -> N
                           "shorten the workload (workload.prefix_len / suffix_len / output_len) or raise the budget")
 
 
+def check_destination(sweep: Optional[str], overrides: list[str]) -> None:
+    """A run without a sweep preset writes where it was told: ``sweep_name=`` or ``results_dir=`` on the
+    command line (else it would land in results/raw/adhoc, beside the measured results)."""
+    given = {o.partition("=")[0].lstrip("+~") for o in overrides}
+    if sweep is None and not given & {"sweep_name", "results_dir"}:
+        raise ConfigError("config error at `sweep_name`: a run without a sweep preset (sweep=<name>) would write "
+                          "into results/raw/adhoc, beside the measured results; name its folder: "
+                          "sweep_name=<name> (results/raw/<name>) or results_dir=<folder>")
+
+
 def check_writable(results_dir: str) -> Path:
     """The results folder exists or can be created, and a file can be written there."""
     root = Path(results_dir)
@@ -189,16 +210,23 @@ def _compose_cached(overrides: list[str], compose) -> DictConfig:
     return cfg
 
 
+def _is_local(config: DictConfig) -> bool:
+    """Hydra's basic launcher: the sweep's cells run in this process, on this host."""
+    return str(config.hydra.launcher.get("_target_", "")).endswith("BasicLauncher")
+
+
 class SweepPrecheck(Callback):
     """Hydra callback: before a multirun starts, check every cell (schema values, KV fit,
-    context length) and the results folder; any bad cell stops the sweep with its key named."""
+    context length; with the local launcher also the process count, the GPU and a server's
+    launcher) and the results folder; any bad cell stops the sweep with its key named."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         from hydra import compose
 
         bad, jobs = [], sweep_jobs(config)
-        local = str(config.hydra.launcher.get("_target_", "")).endswith("BasicLauncher")
+        local = _is_local(config)
         try:
+            check_destination(config.hydra.runtime.choices.get("sweep"), list(config.hydra.overrides.task))
             check_writable(str(config.results_dir))
         except ConfigError as e:
             bad.append(f"  {e}")
@@ -209,6 +237,7 @@ class SweepPrecheck(Callback):
                 if local:  # a cluster launcher starts the tp processes itself (on GPUs this host may not have)
                     check_world(rc)
                     check_gpu(rc)
+                    check_server(rc)
             except ConfigError as e:
                 bad.append(f"  {cell_id(ov)}: {e}")
         if bad:
@@ -220,18 +249,74 @@ class SweepPrecheck(Callback):
                 raise SystemExit(2)
 
 
+class SweepSummary(Callback):
+    """Hydra callback: a sweep ends with one line, ``N cells: a measured, b skipped, c failed``, and exit
+    status 1 when a cell failed. Cells run by this process report what they did (``main``'s return
+    value); a cell run elsewhere (a cluster launcher's job) is read from its folder (done or failed)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self.outcomes: dict[str, str] = {}
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs) -> None:
+        if job_return.status == JobStatus.COMPLETED and isinstance(job_return.return_value, tuple):
+            cell, outcome = job_return.return_value
+            self.outcomes[cell] = outcome
+        else:
+            self.outcomes[f"job {len(self.outcomes)}"] = FAILED
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        from hydra import compose
+
+        outcomes = dict(getattr(self, "outcomes", {}))
+        jobs = sweep_jobs(config)
+        if len(outcomes) < len(jobs):   # jobs that ran in other processes: their folders tell
+            for ov in jobs:
+                cfg = _compose_cached(ov, compose)
+                cell = Path(str(cfg.results_dir)) / safe_name(str(cfg.sweep_name)) / cell_id(ov)
+                if str(cell) not in outcomes:
+                    outcomes[str(cell)] = MEASURED if rawio.cell_state(cell) == "done" else FAILED
+        n = {k: sum(v == k for v in outcomes.values()) for k in (MEASURED, SKIPPED, FAILED)}
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[runners.run] sweep {config.sweep_name}: {len(outcomes)} cells: {n[MEASURED]} measured, "
+                  f"{n[SKIPPED]} skipped, {n[FAILED]} failed"
+                  + (" (each has a failure.json; the same command retries them)" if n[FAILED] else ""), flush=True)
+        if n[FAILED]:
+            raise SystemExit(1)   # Hydra turns a callback's Exception into a warning
+
+
 def check_gpu(rc: RunConfig) -> None:
-    """The hardware preset is for this host's GPU model (HardwareConfig.check_gpu); no check without CUDA
-    (the engine then refuses ``hardware.device=cuda`` itself)."""
+    """A CUDA preset needs a GPU here, and its GPU model (HardwareConfig.check_gpu). A server cell's
+    client creates no CUDA context: it counts the GPUs through NVML (its server may run another torch)."""
     if rc.hardware.device != "cuda":
         return
     import torch
 
     if torch.cuda.is_available():
-        try:
-            rc.hardware.check_gpu(torch.cuda.get_device_name(0))
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
+        gpu = torch.cuda.get_device_name(0)
+    elif rc.system.engine != "granikv" and rawio.gpu_count_nvml() > 0:
+        return
+    else:
+        raise ConfigError(f"config error at `hardware.device`: hardware '{rc.hardware.name}' runs on CUDA but this "
+                          f"host has no GPU torch can use (torch {torch.__version__}, CUDA build "
+                          f"{torch.version.cuda or 'none'}); run it on a GPU host, or pass hardware=cpu "
+                          "(with model=tiny) to try the pipeline on a CPU")
+    try:
+        rc.hardware.check_gpu(gpu)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def check_server(rc: RunConfig) -> None:
+    """A server system (``system.engine=sglang``): its launcher module is importable by the server's
+    interpreter (granikv.serving.server.check_launcher)."""
+    if rc.system.engine == "granikv":
+        return
+    from granikv.serving.server import check_launcher   # loads the plugin's settings (torch): server cells only
+
+    try:
+        check_launcher(rc)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 # ---------------------------------------------------------------- tensor parallelism (torchrun)
@@ -352,6 +437,12 @@ def run_cell(cfg: DictConfig | RunConfig, overrides: list[str], multirun: bool =
              engine_factory: Callable[[RunConfig], object] = default_engine) -> Path:
     """Run (or skip) one cell; return its folder. Config errors raise ConfigError before any
     work in a single run; in a sweep they are written as failure.json like any failure."""
+    return run_cell_outcome(cfg, overrides, multirun, engine_factory)[0]
+
+
+def run_cell_outcome(cfg: DictConfig | RunConfig, overrides: list[str], multirun: bool = False,
+                     engine_factory: Callable[[RunConfig], object] = default_engine) -> tuple[Path, str]:
+    """``run_cell``, and what it did with the cell: MEASURED, SKIPPED or FAILED."""
     root = check_writable(str(cfg.results_dir))
     cell = root / safe_name(str(cfg.sweep_name)) / cell_id(overrides)
     try:
@@ -361,22 +452,26 @@ def run_cell(cfg: DictConfig | RunConfig, overrides: list[str], multirun: bool =
             raise
         _fail(cell, e, {"cell_kind": "serving", "cell": {"cell_id": cell.name, "overrides": list(overrides)}},
               kind="config_error")
-        return cell
+        return cell, FAILED
+    for tmp in rawio.remove_temp_files(cell):   # a killed write's leftovers; no writer is running now
+        print(f"[runners.run] removed a killed write's temp file: {tmp}")
     if rawio.cell_state(cell) == "done" and not rc.force:
         print(f"[runners.run] skip (metrics.json exists; force=true reruns): {cell}")
-        return cell
+        return cell, SKIPPED
     config = {**dataclasses.asdict(rc), "cell_kind": "serving",
               "cell": {"cell_id": cell.name, "overrides": list(overrides)}}
     try:
         check_workload(rc)                   # from the config alone: fails fast on long sweeps
         requests = workloads.build(rc)
         check_workload(rc, requests)
+        check_gpu(rc)
+        check_server(rc)
         rank = init_tp(rc)
     except ConfigError as e:
         if not multirun:
             raise
         _fail(cell, e, config, kind="config_error")
-        return cell
+        return cell, FAILED
     from granikv.telemetry import ENV_GUARD, nsys_command, nsys_path
 
     if rc.nsys and rc.tp == 1 and nsys_path() and not os.environ.get(ENV_GUARD):
@@ -384,16 +479,39 @@ def run_cell(cfg: DictConfig | RunConfig, overrides: list[str], multirun: bool =
         cmd = nsys_command(cell, overrides, nsys_path())
         print(f"[runners.run] nsys: {' '.join(cmd)}")
         subprocess.run(cmd, env={**os.environ, ENV_GUARD: "1"}, check=False)
-        return cell
+        return cell, MEASURED if rawio.cell_state(cell) == "done" else FAILED
+    # force=true on a finished cell: measured beside it; the old cell stays in place until the new is complete
+    forced = rawio.cell_state(cell) == "done"
+    target = cell.parent / FORCED / cell.name if forced else cell
+    if forced and rank == 0 and target.exists():
+        shutil.rmtree(target)                # an earlier forced rerun that never completed: no result
+    outcome = MEASURED
     try:
-        _measure(rc, cell, config, requests, engine_factory, rank)
+        _measure(rc, target, config, requests, engine_factory, rank)
+        if forced and rank == 0:
+            old = supersede(cell, target)
+            print(f"[runners.run] the previous result of {cell.name} is kept in {old}")
     except Exception as e:  # noqa: BLE001 - recorded in failure.json; the sweep goes on
+        outcome = FAILED
         if rank == 0:
-            _fail(cell, e, config)
+            _fail(target, e, config)
         if not multirun:
             raise
     _barrier()
-    return cell
+    return cell, outcome
+
+
+def supersede(cell: Path, new: Path) -> Path:
+    """Move the finished ``cell`` aside, kept, to ``<sweep>/.superseded/<cell_id>.<UTC time>/``, then the
+    complete ``new`` folder into its place; return where the old cell now is."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    old, n = cell.parent / SUPERSEDED / f"{cell.name}.{stamp}", 1
+    while old.exists():
+        old, n = cell.parent / SUPERSEDED / f"{cell.name}.{stamp}-{n}", n + 1
+    old.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(cell, old)
+    os.replace(new, cell)
+    return old
 
 
 def _fail(cell: Path, e: BaseException, config: dict, kind: str = "exception") -> None:
@@ -467,13 +585,18 @@ def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], e
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> tuple[str, str]:
+    """One cell; returns (its folder, MEASURED | SKIPPED | FAILED) for SweepSummary. Exit 2 on a config error."""
     hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
     try:
-        run_cell(cfg, list(hc.overrides.task), multirun=hc.mode == RunMode.MULTIRUN)
+        if not multirun:   # a sweep checks this in SweepPrecheck, before any cell
+            check_destination(hc.runtime.choices.get("sweep"), list(hc.overrides.task))
+        cell, outcome = run_cell_outcome(cfg, list(hc.overrides.task), multirun=multirun)
     except ConfigError as e:
         print(f"[runners.run] {e}", file=sys.stderr)
         sys.exit(2)
+    return str(cell), outcome
 
 
 if __name__ == "__main__":

@@ -111,6 +111,7 @@ def test_multirun_writes_cells_then_skips(tmp_path):
             "sweep_name=t", f"results_dir={tmp_path}"]
     p = cli(*args)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "sweep t: 4 cells: 4 measured, 0 skipped, 0 failed" in p.stdout
     cells = sorted((tmp_path / "t").iterdir())
     expect = {cell_id([*base, f"system={s}", f"workload.prefix_len={lp}"]): (s, lp)
               for s in ("sglang_default", "granikv") for lp in (16, 48)}
@@ -126,6 +127,7 @@ def test_multirun_writes_cells_then_skips(tmp_path):
     mtimes = {c: (c / "metrics.json").stat().st_mtime_ns for c in cells}
     p = cli(*args)
     assert p.returncode == 0 and p.stdout.count("skip (metrics.json exists") == 4
+    assert "4 cells: 0 measured, 4 skipped, 0 failed" in p.stdout
     assert mtimes == {c: (c / "metrics.json").stat().st_mtime_ns for c in cells}
     # same greedy outputs across systems (random weights, same seed)
     outs = {expect[c.name]: [r["output_ids"] for r in rawio.read_jsonl(c / "requests.jsonl")] for c in cells}

@@ -135,15 +135,54 @@ def server_spec(rc: RunConfig) -> ServerSpec:
     env = [("PYTHONUNBUFFERED", "1")]   # the step trace is read from its log while it runs
     sc = rc.system.server
     argv = tuple(server_argv(rc, model_dir))
-    paths = [os.environ[PYTHONPATH_ENV]] if os.environ.get(PYTHONPATH_ENV) else []
-    if sc.uses_plugin:   # granikv itself and its entry point go on the server's path, its settings in its env
-        paths += [p for p in (os.environ.get(PLUGIN_PATH_ENV) or "").split(os.pathsep) if p]
+    paths = _server_paths(sc)
+    if sc.uses_plugin:   # its settings in its env
         settings = PluginSettings.from_system(rc.system, hardware=rc.hardware.name,
                                               stats_file=str(plugin_stats_path(argv)))
         env += [("SGLANG_PLUGINS", "granikv"), *settings.to_env().items()]
     if paths:
         env.append(("PYTHONPATH", os.pathsep.join(paths)))
     return ServerSpec(argv, tuple(env), sc.host, int(sc.port), float(sc.start_timeout_s))
+
+
+def _server_paths(sc) -> list[str]:
+    """What goes first on the server's PYTHONPATH: $GRANIKV_SGLANG_PYTHONPATH, and for a plugin server
+    granikv itself and its entry point ($GRANIKV_PLUGIN_PYTHONPATH)."""
+    paths = [os.environ[PYTHONPATH_ENV]] if os.environ.get(PYTHONPATH_ENV) else []
+    if sc.uses_plugin:
+        paths += [p for p in (os.environ.get(PLUGIN_PATH_ENV) or "").split(os.pathsep) if p]
+    return paths
+
+
+_FIND_SPEC = ("import importlib.util, sys\ntry:\n    ok = importlib.util.find_spec(sys.argv[1]) is not None\n"
+              "except Exception:\n    ok = False\nsys.exit(0 if ok else 3)")
+_LAUNCHERS_SEEN: dict[tuple, bool] = {}
+
+
+def check_launcher(rc: RunConfig) -> None:
+    """The server's interpreter ($GRANIKV_SGLANG_PYTHON, else this one), with the server's PYTHONPATH and
+    working folder, finds the module ``system.server.launcher`` (SGLang's, or a test's fake server);
+    else a ValueError naming the key and the fix. Asked once per interpreter, path and module, in a child
+    process: the check imports nothing into this one."""
+    sc = rc.system.server
+    if sc is None:
+        raise ValueError(f"config error at `system.server`: system '{rc.system.name}' has no server block")
+    python = os.environ.get(PYTHON_ENV) or sys.executable
+    paths = _server_paths(sc)
+    env = ServerSpec((), (("PYTHONPATH", os.pathsep.join(paths)),) if paths else (), "", 0, 0.0).environ()
+    key = (python, sc.launcher, env.get("PYTHONPATH"), os.getcwd())
+    if key not in _LAUNCHERS_SEEN:
+        try:
+            r = subprocess.run([python, "-c", _FIND_SPEC, sc.launcher], env=env, capture_output=True, timeout=120)
+            _LAUNCHERS_SEEN[key] = r.returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            _LAUNCHERS_SEEN[key] = False
+    if not _LAUNCHERS_SEEN[key]:
+        where = f" with PYTHONPATH={env['PYTHONPATH']}" if env.get("PYTHONPATH") else ""
+        raise ValueError(f"config error at `system.server.launcher`: system '{rc.system.name}' starts "
+                         f"`python -m {sc.launcher}`, but {python}{where} cannot import `{sc.launcher}`; install "
+                         f"SGLang (`pip install -e '.[sglang]'`), or set {PYTHON_ENV} / {PYTHONPATH_ENV} to an "
+                         "environment that has it (runners/gpu/sglang.sh)")
 
 
 def plugin_stats_path(argv: tuple[str, ...]) -> Path:

@@ -106,7 +106,7 @@ for P in "${PRESETS[@]}"; do
   if [ ${#SPLIT[@]} -eq 0 ]; then
     log "sweep=$P ${EXTRA[*]} (limit ${T}s)"
     timeout "$T" $LAUNCH -m "sweep=$P" "${EXTRA[@]}" 2>&1 | tee -a "$OUT/sweep.log" | grep -E "^\[runners.run\]|Error|error|FAILED" | tail -40
-    log "sweep=$P rc=${PIPESTATUS[0]} (124 = cut by the budget; resumable)"
+    log "sweep=$P rc=${PIPESTATUS[0]} (124 = cut by the budget; resumable; 1 = a cell failed: failure.json)"
     continue
   fi
   PIDS=()
@@ -121,7 +121,7 @@ for P in "${PRESETS[@]}"; do
   wait "${PIDS[@]}"
   for i in "${!SPLIT[@]}"; do
     grep -E "^\[runners.run\]|Error|error|FAILED" "$OUT/sweep.gpu$i.log" | tail -20
-    log "sweep=$P on GPU $i rc=$(cat "$OUT/.rc.gpu$i") (124 = cut by the budget; resumable)"
+    log "sweep=$P on GPU $i rc=$(cat "$OUT/.rc.gpu$i") (124 = cut by the budget; resumable; 1 = a cell failed: failure.json)"
   done
 done
 # finished (metrics.json) or failed (failure.json) cells only: a cell cut off mid-run is rerun next round

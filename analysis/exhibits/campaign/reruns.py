@@ -1,6 +1,8 @@
 """Reruns, before and after: every configuration whose older cells a rerun sweep superseded
 (conf/campaign.yaml ``supersedes``; analysis/clean.py ``prefer_rerun``), with the older cells' output
-throughput next to the rerun's, each with its repetitions (n) and code version.
+throughput next to the rerun's, each with its repetitions (n) and code version; then every cell a
+forced rerun (``runners.run ... force=true``) replaced in place, its old result kept under
+``<sweep>/.superseded/`` (``superseded_sweep`` names that folder, ``rerun_sweep`` the cell's sweep).
 
 This is where a fix's effect on measured cells is read (the one-commit headline against the
 mixed-version cells it replaced; GraniKV's multi-prefix cells rerun after pool-aware eviction). The
@@ -29,11 +31,43 @@ COLUMNS = ["superseded_sweep", "rerun_sweep", "n_before", "before", "code_before
 
 
 def table(res: Results, metric: str = THROUGHPUT) -> pd.DataFrame:
-    """One row per superseded configuration: the configuration's varying keys, then ``COLUMNS``
-    (``before`` / ``after``: the mean of ``metric`` over the older / the rerun's repetitions)."""
+    """One row per superseded configuration (a rerun sweep), then one per cell a forced rerun replaced:
+    the configuration's varying keys, then ``COLUMNS`` (``before`` / ``after``: the mean of ``metric`` over
+    the older / the rerun's repetitions)."""
+    parts = [t for t in (sweep_reruns(res, metric), forced_reruns(res, metric)) if not t.empty]
+    if not parts:
+        return pd.DataFrame(columns=["system"] + COLUMNS)
+    t = pd.concat(parts, ignore_index=True)
+    return t[[c for c in t.columns if c not in COLUMNS] + COLUMNS]
+
+
+def forced_reruns(res: Results, metric: str = THROUGHPUT) -> pd.DataFrame:
+    """One row per cell kept under ``<sweep>/.superseded/`` (``Results.superseded``): the old cell against
+    the cell now at its place (``after`` empty where that one is no longer loaded)."""
+    if res.superseded.empty:
+        return pd.DataFrame()
+    old = with_derived(res.superseded.reset_index(drop=True))
+    now = with_derived(pd.concat([res.cells, res.set_aside], ignore_index=True))
+    now = now.drop_duplicates(["sweep", "cell_id"]).set_index(["sweep", "cell_id"]) if not now.empty else now
+    shown = [c for c in SHOWN if c in old.columns and (c == "system" or old[c].astype(str).nunique() > 1)]
+    code = lambda r: str(r.get("provenance.git_commit", "unknown"))[:7]  # noqa: E731
+    rows = []
+    for _, r in old.iterrows():
+        cur = now.loc[(r["sweep"], r["cell_id"])] if not now.empty and (r["sweep"], r["cell_id"]) in now.index else None
+        rows.append({**{c: r[c] for c in shown}, "superseded_sweep": r["path"], "rerun_sweep": r["sweep"],
+                     "n_before": 1, "before": r.get(metric), "code_before": code(r),
+                     "n_after": int(cur is not None), "after": cur.get(metric) if cur is not None else None,
+                     "code_after": code(cur) if cur is not None else ""})
+    t = pd.DataFrame(rows)
+    t["after_over_before"] = pd.to_numeric(t["after"]) / pd.to_numeric(t["before"])
+    return sort_rows(t[shown + COLUMNS], ["rerun_sweep"] + shown)
+
+
+def sweep_reruns(res: Results, metric: str = THROUGHPUT) -> pd.DataFrame:
+    """The rows of configurations a rerun sweep superseded (analysis/clean.py ``prefer_rerun``)."""
     a = res.set_aside
     if a.empty or "superseded_by" not in a.columns or not a["superseded_by"].notna().any():
-        return pd.DataFrame(columns=["system"] + COLUMNS)
+        return pd.DataFrame()
     old = with_derived(a[a["superseded_by"].notna()].drop(columns=["capture_share", "set_aside_for"], errors="ignore")
                        .reset_index(drop=True))
     new = with_derived(res.cells[res.cells["sweep"].isin(set(old["superseded_by"]))].reset_index(drop=True))
