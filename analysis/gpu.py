@@ -38,13 +38,6 @@ def add_gpu(df: pd.DataFrame) -> pd.DataFrame:
     return df.assign(**{GPU: gpu_names(df, PROVENANCE_GPU)})
 
 
-def with_gpu(df: pd.DataFrame) -> pd.DataFrame:
-    """``df`` with its ``gpu`` column (added where missing)."""
-    if df.empty or GPU in df.columns:
-        return df
-    return df.assign(**{GPU: gpu_names(df)})
-
-
 def gpus_of_results(res) -> list[str]:
     """The GPU models of a Results' finished cells and kernel rows: PRIMARY_GPU first, then by name."""
     found = set()
