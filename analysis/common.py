@@ -25,6 +25,7 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from analysis.gpu import GPU  # noqa: E402
 from granikv.config import SYSTEMS  # noqa: E402
 
 NOT_MEASURED = "not measured"
@@ -153,8 +154,10 @@ def select(df: pd.DataFrame, selectors: dict[str, str]) -> pd.DataFrame:
 
 
 def identity(df: pd.DataFrame, config_cols: Iterable[str]) -> list[str]:
-    """Columns that identify a configuration (config keys present in ``df``, minus META_KEYS)."""
-    return sorted(c for c in config_cols if c in df.columns and c not in META_KEYS + IMPLIED_KEYS + CAPACITY_KEYS
+    """Columns that identify a configuration (config keys present in ``df``, minus META_KEYS, and the GPU
+    model ``gpu`` where ``df`` has it: cells of two GPU models are never one configuration)."""
+    cols = set(config_cols) | ({GPU} if GPU in df.columns else set())
+    return sorted(c for c in cols if c in df.columns and c not in META_KEYS + IMPLIED_KEYS + CAPACITY_KEYS
                   and not c.startswith(META_PREFIXES))
 
 
@@ -245,7 +248,7 @@ def system_table(cells: pd.DataFrame, config_cols: list[str], sel: dict[str, str
     implied = {"config": ("model.", "tp")}  # dims standing for several config keys
     covered = tuple(p for d in dims for p in implied.get(d, ()))
     extra = [c for c in ids if c not in dims and not c.startswith(("system.",) + covered)
-             and df[c].astype(str).nunique() > 1]
+             and (c == GPU or df[c].astype(str).nunique() > 1)]   # the GPU model: always a column
     keys = dims + extra + ["system"]
     rows = []
     if not df.empty:

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from analysis.gpu import add_gpu
+from analysis.integrity import check_duplicates, check_summary, request_digest
 from granikv.rawio import (CELL_KINDS, PROVENANCE_KEYS, REQUIRED_FILES, SERVING_METRICS, SchemaError, applicable_table,
                            data_path, exists as rawio_exists, flatten, read_json, read_jsonl)
 
@@ -54,14 +56,18 @@ class Results:
     set_aside: pd.DataFrame = field(default_factory=pd.DataFrame)
     # finished cells a forced rerun replaced (kept under <sweep>/.superseded/): sweep, cell_id, path, rows as `cells`
     superseded: pd.DataFrame = field(default_factory=pd.DataFrame)
+    # top-level folders of the root that no campaign item or bench names (load_results ``folders``): not read
+    ignored: list[str] = field(default_factory=list)
 
 
-def find_cells(root: str | Path) -> list[Path]:
-    """Every cell folder under ``root`` (sorted); hidden folders (temp files, .hydra) skipped."""
+def find_cells(root: str | Path, folders=None) -> list[Path]:
+    """Every cell folder under ``root`` (sorted); hidden folders (temp files, .hydra) skipped; ``folders``
+    (a set of names): only those top-level folders of ``root``."""
     root = Path(root)
     cells = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
+                             and (folders is None or Path(dirpath) != root or d in folders))
         if any(m in filenames for m in CELL_MARKERS):
             cells.append(Path(dirpath))
     return sorted(cells)
@@ -132,8 +138,9 @@ def check_metrics(path: Path, kind: str, metrics: dict) -> None:
                   f"must be a number or null, got {v!r}")
 
 
-def _load_cell(root: Path, cell: Path) -> tuple[str, dict, list[dict], list[str]]:
-    """-> (state, row, kernel rows, flattened config keys). state: done | failed | partial."""
+def _load_cell(root: Path, cell: Path) -> tuple[str, dict, list[dict], list[str], str | None]:
+    """-> (state, row, kernel rows, flattened config keys, request digest). state: done | failed | partial.
+    A finished serving cell's metrics.json is checked against its requests.jsonl (analysis.integrity)."""
     rel = cell.relative_to(root)
     base = {"sweep": str(rel.parent) if str(rel.parent) != "." else "", "cell_id": cell.name, "path": str(rel)}
     cfg_path = cell / "config.json"
@@ -146,6 +153,11 @@ def _load_cell(root: Path, cell: Path) -> tuple[str, dict, list[dict], list[str]
             _need(rawio_exists(cell / f), cell / f, "<file>", f"is missing: a finished {kind} cell needs {REQUIRED_FILES[kind]}")
         metrics = _read_dict(cell / "metrics.json")
         check_metrics(cell / "metrics.json", kind, metrics)
+        digest = None
+        if kind == "serving":
+            rows = read_rows(cell / "requests.jsonl", skip=TOKEN_LISTS)
+            check_summary(cell, metrics, rows)
+            digest = request_digest(rows)
         flat_cfg = flatten(applicable_table(config) if kind == "serving" else config)
         row = {**base, "kind": kind, **flat_cfg}
         for k, v in flatten(metrics).items():  # a metric named like a config key (engine stats: tp)
@@ -160,18 +172,18 @@ def _load_cell(root: Path, cell: Path) -> tuple[str, dict, list[dict], list[str]
                 _need(isinstance(r, dict), kpath, f"line {i}", "must be a JSON object")
                 krows.append({**base, "kind": kind, **flat_cfg, **{f"k.{k}": v for k, v in flatten(r).items()}})
             _need(len(krows) > 0, kpath, "<file>", "has no rows (a kernel cell must record its measurements)")
-        return "done", row, krows, [k for k in flat_cfg if not k.startswith("provenance.")]
+        return "done", row, krows, [k for k in flat_cfg if not k.startswith("provenance.")], digest
     if (cell / "failure.json").exists():
         fpath = cell / "failure.json"
         failure = _read_dict(fpath)
         _need("error" in failure, fpath, "error", "is missing (failure.json must say what went wrong)")
         cfg = config if config is not None else failure.get("config") or {}
         cfg = {k: v for k, v in cfg.items() if k != "provenance"} if isinstance(cfg, dict) else {}
-        return "failed", {**base, "state": "failed", "error": str(failure["error"]), **flatten(cfg)}, [], []
+        return "failed", {**base, "state": "failed", "error": str(failure["error"]), **flatten(cfg)}, [], [], None
     cfg = {k: v for k, v in (config or {}).items() if k != "provenance"}
     return "partial", {**base, "state": "partial",
                        "error": "unfinished: neither metrics.json nor failure.json (interrupted run?)",
-                       **flatten(cfg)}, [], []
+                       **flatten(cfg)}, [], [], None
 
 
 # config keys added after cells were committed, with the value those older cells ran with (the key's
@@ -202,24 +214,32 @@ def _superseded_frame(root: Path) -> pd.DataFrame:
     ``path`` where it is kept, then its config and metrics as in ``cells``."""
     rows = []
     for old in find_superseded(root):
-        state, row, _, _ = _load_cell(root, old)
+        state, row, *_ = _load_cell(root, old)
         if state == "done":
             cid = row.get("cell.cell_id") or old.name.rsplit(".", 1)[0]
             rows.append({**row, "sweep": str(old.relative_to(root).parent.parent), "cell_id": cid})
     return pd.DataFrame(rows)
 
 
-def load_results(root: str | Path = "results/raw") -> Results:
-    """Load every cell under ``root`` (a missing root is an empty result, not an error)."""
+def load_results(root: str | Path = "results/raw", folders=None) -> Results:
+    """Load every cell under ``root`` (a missing root is an empty result, not an error). ``folders`` (a set of
+    names, e.g. runners.campaign.named_folders()): only those top-level folders are read, the others are
+    listed in ``Results.ignored``; None reads every folder. Two serving cells with the same request records
+    raise SchemaError (analysis.integrity.check_duplicates)."""
     root = Path(root)
     done, failed, kernels = [], [], []
     config_cols: set[str] = set()
     serving_cols: set[str] = set()
     kernel_cols: set[str] = set()
     unknown: list[str] = []
-    for cell in find_cells(root) if root.exists() else []:
+    digests: dict[str, str] = {}
+    ignored = sorted(str(root / d.name) for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")
+                     and d.name not in folders) if folders is not None and root.exists() else []
+    for cell in find_cells(root, folders) if root.exists() else []:
         unknown += [str(cell.relative_to(root) / f) for f in unknown_files(cell)]
-        state, row, krows, keys = _load_cell(root, cell)
+        state, row, krows, keys, digest = _load_cell(root, cell)
+        if digest is not None:
+            digests[row["path"]] = digest
         (done if state == "done" else failed).append(row)
         kernels.extend(krows)
         config_cols.update(keys)
@@ -233,8 +253,10 @@ def load_results(root: str | Path = "results/raw") -> Results:
         if row.get("kind") == "serving":
             for k in [k for k in row if k in config_cols and k not in serving_cols]:
                 row[f"metrics.{k}"] = row.pop(k)
+    check_duplicates(digests)
     cells = pd.DataFrame(done)
     if not cells.empty:
+        cells = add_gpu(cells)
         cells = cells.sort_values(["sweep", "cell_id"], kind="stable").reset_index(drop=True)
         for key, value in ADDED_CONFIG_DEFAULTS.items():   # cells written before the key existed ran its default
             if key in cells.columns:
@@ -251,9 +273,9 @@ def load_results(root: str | Path = "results/raw") -> Results:
                       + ", ".join(unknown[:10]) + (", ..." if len(unknown) > 10 else "")
                       + ". A `.<name>.*.tmp` is a killed write's leftover (rerunning the sweep command removes it); "
                       "move anything else out of the results tree", stacklevel=2)
-    return Results(root=root, cells=cells, failures=failures, kernels=pd.DataFrame(kernels),
-                   config_columns=sorted(config_cols), kernel_columns=sorted(kernel_cols),
-                   superseded=_superseded_frame(root))
+    kframe = add_gpu(pd.DataFrame(kernels))
+    return Results(root=root, cells=cells, failures=failures, kernels=kframe, config_columns=sorted(config_cols),
+                   kernel_columns=sorted(kernel_cols), superseded=_superseded_frame(root), ignored=ignored)
 
 
 def load_steps(cell_path: str | Path, explode: str | None = None) -> pd.DataFrame:

@@ -19,6 +19,29 @@ CLAIMS_CSV = Path(__file__).resolve().parents[1] / "results" / "paper" / "claims
 
 CHECKS = ("point", "range", "bound_ge", "bound_le", "true")
 FRAMES = ("cells", "kernels", "trace", "steps")
+# the configuration every claim's selectors name in full, per frame: a key -> the claim column its value must
+# equal ("" : any value), so that no cell of another model, TP, hardware preset or workload feeds the claim
+# (the GPU model is the row's own: analysis.verdict.evaluate measures each GPU model's cells apart)
+CONFIGURATION = {"cells": {"model.name": "model", "tp": "tp", "hardware.name": "", "workload.kind": ""},
+                 "kernels": {"cell.shape.name": "model", "hardware": ""}}   # a kernel bench's preset: `hardware`
+CONFIGURATION["trace"] = CONFIGURATION["steps"] = CONFIGURATION["cells"]
+
+
+def check_configuration(r: pd.Series, where: str) -> None:
+    """Raise ValueError where claim ``r``'s selectors leave part of its configuration open (CONFIGURATION)."""
+    sel = parse_selectors(r["selectors"])
+    for key, col in CONFIGURATION[r["frame"]].items():
+        cond = sel.get(key, "")
+        if not cond.startswith("=") or cond[1:] in ("", "notnull", "max"):
+            want = f"{key}={r[col]}" if col else f"{key}=<value>[|<value>...]"
+            raise ValueError(f"{where}: field `selectors` does not name `{key}` (a {r['frame']} claim selects its "
+                             f"cells by model, TP, hardware preset and workload). Fix: add `{want}` to its selectors")
+        if col and cond[1:] != str(r[col]):
+            raise ValueError(f"{where}: field `selectors` has `{key}{cond}` but the claim's `{col}` is "
+                             f"'{r[col]}'. Fix: make the two agree")
+        if key in parse_selectors(r["baseline"]):
+            raise ValueError(f"{where}: field `baseline` overrides `{key}`: the baseline is the same configuration "
+                             "of another system or workload point. Fix: drop it from the baseline")
 
 
 def read_claims(path: str | Path = CLAIMS_CSV) -> pd.DataFrame:
@@ -41,6 +64,7 @@ def read_claims(path: str | Path = CLAIMS_CSV) -> pd.DataFrame:
         if r["check"] != "true":
             float(r["paper_value"])  # raises with the value in the message
         parse_selectors(r["selectors"]), parse_selectors(r["baseline"])
+        check_configuration(r, where)
     return df
 
 

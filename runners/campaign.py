@@ -126,6 +126,32 @@ def load_campaign(path: str | Path = CAMPAIGN_YAML) -> list[CampaignItem]:
     return items
 
 
+def load_benches(path: str | Path = CAMPAIGN_YAML) -> dict[str, str]:
+    """conf/campaign.yaml ``benches``: results/raw folder -> the runner that writes it (folders of the
+    benches outside the runners.run sweeps), checked."""
+    path = Path(path)
+    doc = yaml.safe_load(path.read_text()) or {}
+    out: dict[str, str] = {}
+    for i, raw in enumerate(doc.get("benches") or []):
+        if not isinstance(raw, dict) or set(raw) != {"folder", "what"} or not isinstance(raw["folder"], str) \
+                or not re.fullmatch(r"[A-Za-z0-9_.-]+", raw["folder"]):
+            raise ValueError(f"{path}: benches[{i}] must be a mapping {{folder: <results/raw folder name>, what: "
+                             f"<the runner that writes it>}}, got {raw!r}")
+        if raw["folder"] in out:
+            raise ValueError(f"{path}: benches[{i}]: folder `{raw['folder']}` is listed twice")
+        out[raw["folder"]] = str(raw["what"])
+    return out
+
+
+def named_folders(path: str | Path = CAMPAIGN_YAML) -> set[str]:
+    """Every results/raw folder the campaign names: each item's sweep folder (as ``expand`` names it), the
+    folders items supersede, and the benches'. The analysis reads only these (analysis.load ``folders``)."""
+    out = set(load_benches(path))
+    for item in load_campaign(path):
+        out |= {c.sweep_name for c in expand(item)} | set(item.supersedes)
+    return out
+
+
 def _key_column(override: str) -> str:
     """``system=granikv`` -> ``system.name`` (a group choice names its option); ``a.b=1`` -> ``a.b``."""
     key = override.split("=", 1)[0].lstrip("+~")

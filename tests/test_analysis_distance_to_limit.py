@@ -2,6 +2,7 @@
 wherever the GEMM floor (or a usable one) is missing, vendor peaks where the preset leaves them unset, and
 the profiler breakdown of a small trace."""
 from __future__ import annotations
+import zlib
 import json
 from pathlib import Path
 import pandas as pd
@@ -10,6 +11,7 @@ import pytest
 from analysis.exhibits.kernel import distance_to_limit as D
 from analysis import common
 from analysis.measures import limit
+from analysis.integrity import summary_of
 from analysis.load import load_results
 from granikv import rawio
 
@@ -35,10 +37,14 @@ def serving_cell(root: Path, system="granikv", peaks=(1.0, 0.001), gpu=GPU, prof
     rawio.write_json(d / "config.json", {"model": MODEL, "tp": 1, "system": {"name": system}, "workload": wl,
                                          "hardware": hw, "profile_steps": profile_steps, "rep": 0, "sweep_name": sweep,
                                          "provenance": prov(gpu)})
-    rawio.write_json(d / "metrics.json", {k: ({} if k == "dispatch_counts" else 1.0) for k in rawio.SERVING_METRICS})
     reqs = [{"rid": i, "prompt_len": p, "shared_len": 100, "output_len": o} for i, (p, o) in enumerate(REQUESTS)]
+    # each cell's own run: its finish times differ from every other cell's (analysis.integrity)
+    done = [{**r, "arrival_s": 0.0, "finish_s": 1.0 + zlib.crc32(str(d.relative_to(root)).encode()) / 2**32}
+            for r in reqs]
+    rawio.write_json(d / "metrics.json", {**{k: ({} if k == "dispatch_counts" else 1.0) for k in rawio.SERVING_METRICS},
+                                          **summary_of(done)})
     rawio.write_jsonl(d / "workload.jsonl", reqs)
-    rawio.write_jsonl(d / "requests.jsonl", reqs)
+    rawio.write_jsonl(d / "requests.jsonl", done)
     # full-batch decode steps (batch >= 0.9 * 4) of 10, 12, 11 ms -> p50 11 ms; a half-batch step and a
     # prefill step are not full-batch decode steps
     steps = [{"kind": "prefill", "batch_size": 4, "step_time_s": 0.5}] + \

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def empty_out(tmp_path_factory):
     raw = tmp_path_factory.mktemp("raw")  # exists, holds no cell
     out = tmp_path_factory.mktemp("out")
-    return run(raw, out), out
+    return run(raw, out, folders=None), out
 
 
 def test_every_module_writes_table_and_figures(empty_out):

@@ -192,7 +192,7 @@ def test_unfinished_cell_is_listed(raw, tmp_path):
 
 
 def test_every_module_on_runner_output(raw, tmp_path):
-    r = run(raw, tmp_path)
+    r = run(raw, tmp_path, folders=None)
     for m in EXHIBITS:
         assert (tmp_path / "tables" / f"{m.name}.csv").exists(), m.name
     grid = pd.read_csv(tmp_path / "tables" / "grid.csv", dtype=str, keep_default_na=False)
@@ -214,8 +214,8 @@ def test_every_module_on_runner_output(raw, tmp_path):
 
 
 def test_tables_are_deterministic(raw, tmp_path):
-    run(raw, tmp_path / "a", only="tables")
-    run(raw, tmp_path / "b", only="tables")
+    run(raw, tmp_path / "a", only="tables", folders=None)
+    run(raw, tmp_path / "b", only="tables", folders=None)
     for p in sorted((tmp_path / "a" / "tables").iterdir()):
         assert p.read_bytes() == (tmp_path / "b" / "tables" / p.name).read_bytes(), p.name
     assert (tmp_path / "a" / "REPORT.md").read_text() == (tmp_path / "b" / "REPORT.md").read_text()

@@ -165,7 +165,7 @@ def test_a_truncated_metrics_json_is_a_named_error_not_a_traceback(tmp_path, cap
     raw = tmp_path / "raw"
     cell = run_cell(compose_cfg([*SMALL, f"results_dir={raw}", "sweep_name=s"]), [])
     (cell / "metrics.json").write_bytes((cell / "metrics.json").read_bytes()[:40])
-    assert reproduce_main(["--results", str(raw), "--out", str(tmp_path / "out"), "--only", "tables"]) == 2
+    assert reproduce_main(["--results", str(raw), "--out", str(tmp_path / "out"), "--only", "tables", "--every-folder"]) == 2
     err = capsys.readouterr().err
     assert str(cell / "metrics.json") in err and "Fix:" in err and "force=true" in err
 

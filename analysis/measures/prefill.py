@@ -24,11 +24,13 @@ def need_field(cond: bool, path: Path, fld: str, what: str) -> None:
                           "rerun it rather than editing the file")
 
 
-def load(root: str | Path) -> pd.DataFrame:
-    """One row per (file, token count), checked (a malformed file names its field)."""
+def load(root: str | Path, ignored=()) -> pd.DataFrame:
+    """One row per (file, token count), checked (a malformed file names its field); files under the
+    ``ignored`` folders (Results.ignored: named by no campaign item or bench) are not read."""
     rows, root = [], Path(root)
     for path in sorted(root.rglob(FILE)):
-        if any(p.startswith(".") for p in path.relative_to(root).parts):
+        parts = path.relative_to(root).parts
+        if any(p.startswith(".") for p in parts) or str(root / parts[0]) in ignored:
             continue
         d = read_json(path)
         need_field(isinstance(d, dict), path, "<top level>", "must be a JSON object")

@@ -71,16 +71,26 @@ def spread_kind(c: pd.Series) -> str:
         "reps" if f.startswith("min-max") else "noise" if f.startswith("n=1") else ""
 
 
+def primary_rows(ev: pd.DataFrame) -> pd.DataFrame:
+    """The claims' rows on the primary GPU model (analysis.verdict.evaluate ``primary``): one per claim."""
+    return ev[ev["primary"].astype(bool)] if "primary" in ev.columns else ev
+
+
+def anchor(c: pd.Series) -> str:
+    """A claim row's REPORT heading: its id, and on another GPU model than the primary one, that GPU model."""
+    return c["id"] if bool(c.get("primary", True)) else f"{c['id']} on {c['gpu']}"
+
+
 def tally(ev: pd.DataFrame) -> str:
-    """``15 reproduced, 7 exceeded, ...`` over the five verdicts, in their order."""
-    counts = ev["verdict"].value_counts()
+    """``15 reproduced, 7 exceeded, ...`` over the five verdicts, in their order (the primary GPU model's rows)."""
+    counts = primary_rows(ev)["verdict"].value_counts()
     return ", ".join(f"{int(counts.get(v, 0))} {v}" for v in VERDICTS)
 
 
 def claim_section(res: Results, ev: pd.DataFrame, c: pd.Series, cache: dict) -> list[str]:
     """The REPORT's section of one claim: the claim, both numbers, repetitions and interval, the verdict
     with its margin, and the explanations measured for it (nothing written for another claim)."""
-    L = ["", f"### `{c['id']}`", "", f"**{c['verdict']}**. {c['claim']} ({c['section']})", "",
+    L = ["", f"### `{anchor(c)}`", "", f"**{c['verdict']}**. {c['claim']} ({c['section']})", "",
          f"- Paper: {paper_shown(c)} on {PAPER_HARDWARE}. Ours: "
          + (f"{c['ours_shown']} on {c['our_hardware'] or '?'} (from {c['source']})." if c["verdict"] != NOT_MEASURED
             else f"{NOT_MEASURED}: {c['why']}")]

@@ -186,3 +186,12 @@ def provenance_line(res: Results) -> str:
             f"resolved `/server_info` are in each cell's config.json (`provenance.engine`). Code: "
             f"{vals('provenance.git_commit')}, with uncommitted changes only in {', '.join(dirty) or 'no file'} "
             "(`provenance.git_dirty_files`).")
+
+
+def ignored_line(res: Results) -> str:
+    """One REPORT line: the folders of the results root that conf/campaign.yaml does not name, not read."""
+    if not res.ignored:
+        return ""
+    return (f"Folders ignored ({len(res.ignored)}): conf/campaign.yaml names neither an item's sweep folder nor a "
+            "bench (`benches`) for them, so no table or claim reads their cells: "
+            + ", ".join(f"`{p}`" for p in res.ignored) + ". Name the folder in conf/campaign.yaml to read it.")

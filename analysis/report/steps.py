@@ -90,7 +90,7 @@ def prefill_host_line(res: Results, claim: pd.Series, cache: dict) -> str:
     """The claim's model measured in prefill isolation (tables/prefill_host), at its TP and at TP=1:
     step and host launch per layer, when both were measured on a GPU."""
     if "prefill_host" not in cache:
-        cache["prefill_host"] = load_prefill(res.root) if Path(res.root).exists() else pd.DataFrame()
+        cache["prefill_host"] = load_prefill(res.root, res.ignored) if Path(res.root).exists() else pd.DataFrame()
     p = cache["prefill_host"]
     if p.empty or not str(claim["tp"]).isdigit():
         return ""

@@ -15,9 +15,11 @@ from analysis.common import PAPER_HARDWARE, write_table
 from analysis.load import Results
 from analysis.paper import paper_value_shown
 from analysis.exhibits import chapter_lines
-from analysis.report.claims import claim_section, close_calls, ours_compact, short_claim, spread_kind, tally
+from analysis.gpu import only_gpu
+from analysis.report.claims import (anchor, claim_section, close_calls, ours_compact, primary_rows, short_claim,
+                                    spread_kind, tally)
 from analysis.report.provenance import (budget_check, capture_check, code_versions, concurrency_check, hardware_summary,
-                                        provenance_line)
+                                        ignored_line, provenance_line)
 from analysis.verdict.evaluate import evaluate
 from analysis.verdict.rule import VERDICT_RULE
 
@@ -40,27 +42,32 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
          f"{n_fail} failed, {n_part} unfinished; {len(res.kernels)} kernel rows. Paper: {PAPER_HARDWARE}; ours: "
          f"{ours_hw} (details under Provenance, at the end).", "",
          "## Claims", "",
-         f"Verdicts over {len(ev)} claims: **{tally(ev)}**. *Exceeded* is counted apart from *reproduced*: a "
+         f"Verdicts over {len(primary_rows(ev))} claims: **{tally(ev)}** (on {ev['gpu'].iloc[0] if len(ev) else '-'}; "
+         "a claim measured on another GPU model as well has a row of its own for it after these, never counted "
+         "here or pooled with them). *Exceeded* is counted apart from *reproduced*: a "
          "number more than 25% beyond the paper's shows the effect, but not at the paper's size, so it does not "
          "confirm the paper's number (the rule is below; each claim's section gives what we measured).", "",
          f"n: repetitions (the fewest behind one configuration of the number; - where the statistic does not "
          f"track them). interval: where our number may lie given the run-to-run noise (reps: min-max over the "
          f"repetitions; noise: n=1 widened by the sweep's measured noise), the same unit as the number.", "",
-         f"| id | claim | paper ({PAPER_HARDWARE}) | ours ({ours_hw}) | unit | n | interval | verdict |",
-         "|---|---|---|---|---|---|---|---|"]
+         f"| id | claim | paper ({PAPER_HARDWARE}) | ours ({ours_hw}) | GPU | unit | n | interval | verdict |",
+         "|---|---|---|---|---|---|---|---|---|"]
     for _, c in ev.iterrows():
         kind = spread_kind(c)
         iv = f"{c['spread_shown']} ({kind})" if kind else "-"
-        L.append(f"| [{c['id']}](#{c['id']}) | {short_claim(c['claim'])} | {paper_value_shown(c)} | {ours_compact(c)} | "
-                 f"{c['unit']} | {int(c['n']) if c['n'] else '-'} | {iv} | **{c['verdict']}** |".replace("\n", " "))
+        link = anchor(c).lower().replace(" ", "-")
+        L.append(f"| [{anchor(c)}](#{link}) | {short_claim(c['claim'])} | {paper_value_shown(c)} | {ours_compact(c)} | "
+                 f"{c['gpu']} | {c['unit']} | {int(c['n']) if c['n'] else '-'} | {iv} | **{c['verdict']}** |"
+                 .replace("\n", " "))
     L += ["", "## Verdict rule", "", VERDICT_RULE]
     L += close_calls(ev)
     L += ["", "## Claim by claim", "",
           "Each claim's own numbers and the explanations measured for it; the tables and figures named under "
           "*from* hold the data."]
-    cache: dict = {}
-    for _, c in ev.iterrows():
-        L += claim_section(res, ev, c, cache)
+    caches: dict = {}
+    for _, c in ev.iterrows():      # each row explained from its own GPU model's cells
+        mine = only_gpu(res, c["gpu"])
+        L += claim_section(mine, ev[ev["gpu"] == c["gpu"]], c, caches.setdefault(c["gpu"], {}))
     L += ["", "## Toward the hardware limit", "",
           "How far each system's decode step runs from the hardware, and GraniKV's dense prefix path kernel by "
           "kernel. The GEMM floor is every weight GEMM of one decode step timed alone as one CUDA graph "
@@ -86,6 +93,7 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
           *([f"- {conc}"] if (conc := concurrency_check(res)) else []),
           *([f"- {cap}"] if (cap := capture_check(res)) else []),
           *([f"- {sa}"] if (sa := set_aside_line(res)) else []),
+          *([f"- {ig}"] if (ig := ignored_line(res)) else []),
           *([f"- {bud}"] if (bud := budget_check(res)) else []),
           *([f"- {srv}"] if (srv := provenance_line(res)) else [])]
     cv = code_versions(res)
@@ -103,12 +111,13 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
     out.mkdir(parents=True, exist_ok=True)
     (out / "REPORT.md").write_text("\n".join(L) + "\n")
     t = ev.assign(interval=[f"{r['spread_shown']} ({spread_kind(r)})" if spread_kind(r) else "-" for _, r in ev.iterrows()])
-    cols = ["id", "section", "model", "tp", "comparison", "paper_value", "paper_value_hi", "unit", "ours_shown",
+    cols = ["id", "gpu", "section", "model", "tp", "comparison", "paper_value", "paper_value_hi", "unit", "ours_shown",
             "n", "configs", "interval", "spread_from", "our_hardware", "verdict", "point_verdict", "margin_shown", "why",
             "source"]
     write_table(t[cols].rename(columns={"margin_shown": "margin_to_flip", "spread_from": "interval_from"}), "claims", out,
                 title="Claims: paper vs ours",
-                note="n: repetitions (the fewest behind one configuration; 0: not tracked by the statistic); configs: "
+                note="One row per claim on the primary GPU model, then a row per claim and other GPU model that "
+                     "measured it (gpu). n: repetitions (the fewest behind one configuration; 0: not tracked by the statistic); configs: "
                      "configurations pooled; interval: where our number may lie given the run-to-run noise (reps: "
                      "min-max over repetitions; noise: n=1 widened by the sweep's run-to-run noise); point_verdict: the "
                      "verdict without the noise. The rule: analysis/README.md, or the REPORT's Verdict rule.")

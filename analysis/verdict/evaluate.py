@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.common import NOT_MEASURED, parse_selectors, select
+from analysis.gpu import gpus_of_results, only_gpu, primary_gpu
 from analysis.load import Results
 from analysis.paper import CLAIMS_CSV, read_claims
 from analysis.verdict.context import Context
@@ -77,7 +78,11 @@ def other_hardware_note(ctx: Context, c: pd.Series, sel: dict, base: dict) -> st
 
 
 def evaluate(res: Results, claims: pd.DataFrame | None = None) -> pd.DataFrame:
-    """One row per claim: the claim's columns plus ``ours``, ``ours_shown``, ``configs`` (configurations
+    """One row per claim and GPU model: each claim's row on the primary GPU model (analysis.gpu.primary_gpu,
+    measured or not) first, in claims.csv order, then its rows on every other GPU model whose cells it
+    selects; each measured in that GPU model's cells alone (analysis.gpu.only_gpu): no number, repetition or
+    noise pools two GPU models. Columns: the claim's columns plus ``gpu``, ``primary`` (the primary GPU
+    model's row: the verdict counts are over these), ``ours``, ``ours_shown``, ``configs`` (configurations
     pooled), ``n`` (repetitions: the fewest behind one configuration; 0 = not tracked), ``our_hardware``,
     ``verdict`` (VERDICT_RULE), ``point_verdict`` (the same without the noise), ``spread_lo`` /
     ``spread_hi`` / ``spread_shown`` / ``spread_from`` (the interval our number may lie in and how it was
@@ -86,11 +91,24 @@ def evaluate(res: Results, claims: pd.DataFrame | None = None) -> pd.DataFrame:
     qualitative claims), ``margin`` (the relative distance to it, or for a qualitative claim the step it
     turns on), ``margin_shown``, ``margin_note`` and ``decider`` (the deciding cells)."""
     claims = load_claims() if claims is None else claims
+    first = primary_gpu(res)
+    rows = _evaluate_on(only_gpu(res, first), claims, first, primary=True)
+    for gpu in gpus_of_results(res):
+        if gpu != first:
+            rows += _evaluate_on(only_gpu(res, gpu), claims, gpu, primary=False)
+    return pd.DataFrame(rows)
+
+
+def _evaluate_on(res: Results, claims: pd.DataFrame, gpu: str, primary: bool) -> list[dict]:
+    """The claims' rows measured in ``res`` (one GPU model's cells); off the primary GPU model, only the
+    claims that select some of its cells."""
     ctx = Context(res)
     rows = []
     for _, c in claims.iterrows():
         sel, base = parse_selectors(c["selectors"]), parse_selectors(c["baseline"])
         o = STATISTICS[c["statistic"]](ctx, c, sel, base)
+        if not primary and not o.gpus:
+            continue
         kw = dict(paper_hi=number(c["paper_value_hi"]), better=c["better"] or None, ratio=c["unit"] == "x")
         spread = None if is_missing(o.lo) or is_missing(o.hi) else (o.lo, o.hi)
         pv = point_verdict(c["check"], number(c["paper_value"]), o.value, **kw)
@@ -106,7 +124,8 @@ def evaluate(res: Results, claims: pd.DataFrame | None = None) -> pd.DataFrame:
         shown = _margin_shown(at, rel)
         if c["check"] == "true" and v != NOT_MEASURED and np.isfinite(o.margin):
             rel, shown = o.margin, f"{o.margin:.1%} ({o.margin_note})"
-        rows.append({**c.to_dict(), "ours": o.value, "ours_shown": o.shown if v != NOT_MEASURED else "",
+        rows.append({**c.to_dict(), "gpu": gpu, "primary": primary, "ours": o.value,
+                     "ours_shown": o.shown if v != NOT_MEASURED else "",
                      "configs": o.n, "n": o.reps, "our_hardware": ", ".join(o.gpus), "verdict": v,
                      "point_verdict": pv, "spread_lo": o.lo if spread else np.nan,
                      "spread_hi": o.hi if spread else np.nan,
@@ -114,7 +133,7 @@ def evaluate(res: Results, claims: pd.DataFrame | None = None) -> pd.DataFrame:
                      "spread_from": o.spread_from if v != NOT_MEASURED else "", "between": between, "why": why,
                      "flips_at": at, "margin": rel, "margin_shown": shown, "margin_note": o.margin_note,
                      "decider": o.decider})
-    return pd.DataFrame(rows)
+    return rows
 
 
 def _spread_shown(c: pd.Series, spread) -> str:

@@ -22,6 +22,9 @@ TOL = 0.25           # "within +-25%"
 PARITY_BAND = 0.05   # a paper ratio within 5% of 1 claims parity: no direction to match
 
 
+PARITY_RATIO = 0.97  # parity, the paper's own bound (Sec. 1, Limitations: ratio >= 0.97x): within 0.97x-1/0.97x
+
+
 EPS = 1e-9
 
 
@@ -31,7 +34,9 @@ mean) and the interval it may lie in:
 
 - **reproduced**: our number is within +-25% of the paper's value (for a range, from 25% below its low end to 25% \
 above its high end) and, for a ratio, on the same side of 1 as the paper's (unless the paper reports parity, \
-within 5% of 1); or the stated bound (>=, <=) holds as stated; or our measurement confirms the qualitative claim.
+within 5% of 1); or the stated bound (>=, <=) holds as stated; or our measurement confirms the qualitative claim. \
+Parity is one rule: a ratio the paper reports at parity (within 5% of 1) is reproduced only within 0.97x-1.03x \
+(0.97 = the paper's own parity bound, >= 0.97x, which its Lp=512 parity claims state as a bound), not within +-25%.
 - **exceeded**: the effect points the same way as the paper's but lies more than 25% beyond it (a ratio further \
 from 1 than the band; an absolute value past the band on the claim's better side). Counted apart from reproduced: \
 a number this far beyond the paper's does not confirm the paper's number. It says the effect exists at another \
@@ -76,6 +81,8 @@ def point_verdict(check: str, paper: float | None, ours, *, paper_hi: float | No
     band_lo, band_hi = lo * (1 - tol) - EPS * abs(lo), hi * (1 + tol) + EPS * abs(hi)
     mid = (lo + hi) / 2
     directed = ratio and abs(mid - 1.0) >= PARITY_BAND
+    if ratio and not directed:   # parity: the paper's parity band, on both sides of 1
+        band_lo, band_hi = PARITY_RATIO - EPS, 1 / PARITY_RATIO + EPS
     if directed and (ours - 1.0) * (mid - 1.0) <= 0:
         return NOT_REPRODUCED  # the effect points the other way (or vanished)
     if band_lo <= ours <= band_hi:
@@ -129,7 +136,8 @@ def flip_points(check: str, paper: float | None, *, paper_hi: float | None = Non
         return []
     lo = float(paper)
     hi = lo if is_missing(paper_hi) else float(paper_hi)
-    cand = {lo, hi, lo * (1 - tol), hi * (1 + tol), 1.0} if check in ("point", "range") else {lo}
+    cand = {lo, hi, lo * (1 - tol), hi * (1 + tol), 1.0, PARITY_RATIO, 1 / PARITY_RATIO} \
+        if check in ("point", "range") else {lo}
     out = []
     for x in sorted(cand):
         d = max(abs(x), 1.0) * 1e-6

@@ -73,7 +73,7 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     """Write this module's table (and, unless ``figures`` is False, its figures); return the table."""
     t = overhead_frame(res)
     gpu = gpu_names(t)
-    cols = ["config", "sweep", "workload.kind", "workload.prefix_len", "workload.batch", "system", "cell_id",
+    cols = ["config", "gpu", "sweep", "workload.kind", "workload.prefix_len", "workload.batch", "system", "cell_id",
             "commit", "decode_steps", "step_ms_mean", "dispatch_us", "dispatch_us_p50", "dispatch_from", "bench_lookup_us",
             "plan_us_cpu", "share_pct", "status"]
     if t.empty:
@@ -84,7 +84,7 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
                           for s in ("granikv", "granikv_dense_only")], columns=cols)
     else:
         t["status"] = np.where(t["share_pct"].notna(), "measured", f"{NOT_MEASURED}: no dispatcher time or step time")
-        t = sort_rows(t.reindex(columns=cols), ["config", "sweep", "workload.prefix_len", "workload.batch", "system",
+        t = sort_rows(t.reindex(columns=cols), ["config", "gpu", "sweep", "workload.prefix_len", "workload.batch", "system",
                                                 "cell_id"])
     write_table(t, NAME, out, {"step_ms_mean": 3, "dispatch_us": 3, "dispatch_us_p50": 3, "bench_lookup_us": 3,
                                "plan_us_cpu": 1, "share_pct": 4},

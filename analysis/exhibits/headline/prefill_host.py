@@ -34,7 +34,7 @@ DIGITS = {"step_ms": 2, "launch_ms": 2, "forward_ms": 2, "launch_share": 2, "per
 def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     """Write tables/prefill_host.{csv,md}: the expected rows (EXPECTED x TOKENS, the GPU runs of
     runners/gpu/prefill.sh), each measured or not, then any other measured rows; return the table."""
-    got = load(res.root) if Path(res.root).exists() else pd.DataFrame(columns=COLS)
+    got = load(res.root, res.ignored) if Path(res.root).exists() else pd.DataFrame(columns=COLS)
     want = pd.DataFrame([{"model": m, "tp": tp, "allreduce": ar, "tokens": n} for m, tp, ar in EXPECTED for n in TOKENS])
     keys = ["model", "tp", "allreduce", "tokens"]
     t = want.merge(got, on=keys, how="left")

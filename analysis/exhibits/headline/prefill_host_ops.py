@@ -25,11 +25,13 @@ COLS = ["model", "tp", "allreduce", "gpu", "commit", "rank", "tokens", "op", "ca
         "wall_ms", "status"]
 
 
-def load(root: str | Path) -> pd.DataFrame:
-    """One row per (file, rank, op), checked; files without ``host_profile`` add nothing."""
+def load(root: str | Path, ignored=()) -> pd.DataFrame:
+    """One row per (file, rank, op), checked; files without ``host_profile`` add nothing, and so do files under
+    the ``ignored`` folders (Results.ignored)."""
     rows, root = [], Path(root)
     for path in sorted(root.rglob(FILE)) if root.exists() else []:
-        if any(p.startswith(".") for p in path.relative_to(root).parts):
+        parts = path.relative_to(root).parts
+        if any(p.startswith(".") for p in parts) or str(root / parts[0]) in ignored:
             continue
         d = read_json(path)
         profiles = d.get("host_profile") or []
@@ -61,7 +63,7 @@ def load(root: str | Path) -> pd.DataFrame:
 @register_exhibit(NAME, figures=FIGURES)
 def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     """Write tables/prefill_host_ops.{csv,md}; return the table."""
-    t = load(res.root)
+    t = load(res.root, res.ignored)
     if t.empty:
         t = pd.DataFrame([{"op": "(none)", "status": f"{NOT_MEASURED}: run runners/gpu/prefill.sh (files written "
                                                      "before --profile-tokens existed have no host profile)"}],
