@@ -238,9 +238,9 @@ def suptitle(fig, text: str, fontsize: int = 10) -> None:
     fig.suptitle("\n".join(textwrap.wrap(text, width)), fontsize=fontsize)
 
 
-def figure_legend(fig, axes, ncol: int | None = None) -> None:
-    """One legend for the whole figure, below its panels (never over data): every label drawn in ``axes``,
-    once. Axes legends are removed."""
+def legend_below(fig, axes, at: tuple[float, float] = (0.5, 0.0), ncol: int | None = None) -> None:
+    """One legend below the panels (never over data), centred at ``at`` (figure fraction): every label drawn
+    in ``axes``, once, the systems in SYSTEM_ORDER and the paper's markers last. Their axes legends are removed."""
     handles = {}
     for ax in axes:
         for h, lab in zip(*ax.get_legend_handles_labels()):
@@ -250,7 +250,7 @@ def figure_legend(fig, axes, ncol: int | None = None) -> None:
     if handles:    # the paper's markers after the series
         rank = {s: i for i, s in enumerate(SYSTEM_ORDER)}
         handles = dict(sorted(handles.items(), key=lambda kv: (kv[0].startswith("paper"), rank.get(kv[0], len(rank)))))
-        fig.legend(list(handles.values()), list(handles.keys()), loc="upper center", bbox_to_anchor=(0.5, 0.0),
+        fig.legend(list(handles.values()), list(handles.keys()), loc="upper center", bbox_to_anchor=at,
                    ncol=ncol or min(len(handles), 4), fontsize=LEGEND_PT, frameon=False)
 
 
@@ -368,7 +368,7 @@ def lines_vs(table: pd.DataFrame, name: str, out: Path, x: str, facet: list[str]
                                 va="center", fontsize=9, transform=axes[r, c].transAxes)
     suptitle(fig, title_of(title, ", ".join(gpus) if len(gpus) > 1 else gpu, [lab.split("=", 1)[-1] for lab in labs]))
     fig.tight_layout()
-    figure_legend(fig, axes.flat, ncol=min(len(systems) + 2, 6))
+    legend_below(fig, axes.flat, ncol=min(len(systems) + 2, 6))
     notes = ([_left_out_note(left_out).lstrip("; ")] if left_out else []) + (
         [f"measured at one {SHORT.get(x, x)} only (in the table): "
          + ", ".join(f"{g + ': ' if g else ''}{lab.split('=', 1)[-1]}" for g, lab in single)] if single else [])

@@ -35,9 +35,12 @@ def check_legends(fig) -> None:
             assert not inside.any(), f"legend over the points of {line.get_label()!r} in {ax.get_title()!r}"
 
 
+REFERENCES = ("paper", "roof")   # labels of reference marks (the paper's values, a roofline), not series
+
+
 def series(ax) -> list[str]:
-    """The labelled series one axes draws (lines, error bars, scatters, bar groups)."""
-    labels = [h for h in ax.get_legend_handles_labels()[1] if not h.startswith("paper")]
+    """The labelled series one axes draws (lines, error bars, scatters, bar groups), reference marks aside."""
+    labels = [h for h in ax.get_legend_handles_labels()[1] if not h.startswith(REFERENCES)]
     return list(dict.fromkeys(labels))
 
 
