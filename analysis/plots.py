@@ -249,7 +249,7 @@ def legend_below(fig, axes, at: tuple[float, float] = (0.5, 0.0), ncol: int | No
             ax.get_legend().remove()
     if handles:    # the paper's markers after the series
         rank = {s: i for i, s in enumerate(SYSTEM_ORDER)}
-        handles = dict(sorted(handles.items(), key=lambda kv: (kv[0].startswith("paper"), rank.get(kv[0], len(rank)))))
+        handles = dict(sorted(handles.items(), key=lambda kv: (kv[0].startswith("paper"), rank.get(kv[0].split(" (")[0], len(rank)))))
         fig.legend(list(handles.values()), list(handles.keys()), loc="upper center", bbox_to_anchor=at,
                    ncol=ncol or min(len(handles), 4), fontsize=LEGEND_PT, frameon=False)
 

@@ -66,8 +66,20 @@ def check_title_fits(fig) -> None:
     assert box.x0 >= 0 and box.x1 <= fig.bbox.width + 1, (box, fig.bbox.width)
 
 
+def check_tick_labels(fig) -> None:
+    """No two tick labels of one axis overlap."""
+    fig.canvas.draw()
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            boxes = [t.get_window_extent() for t in axis.get_ticklabels() if t.get_visible() and t.get_text()]
+            for i, b1 in enumerate(boxes):
+                for b2 in boxes[i + 1:]:
+                    assert not b1.overlaps(b2), (ax.get_title(), [t.get_text() for t in axis.get_ticklabels()])
+
+
 def check_all(fig) -> None:
     check_legends(fig)
+    check_tick_labels(fig)
     check_series(fig)
     check_no_bars_on_log(fig)
     check_title_fits(fig)
