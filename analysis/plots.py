@@ -13,11 +13,6 @@ from matplotlib.colors import LogNorm, Normalize
 
 from analysis.common import NOT_MEASURED, PAPER_HARDWARE, SHORT, placeholder_figure, plt, save_figure, show
 
-
-
-
-
-
 sns.set_theme(style="whitegrid", context="paper")
 PAPER_STYLE = dict(marker="*", s=140, color="black", zorder=5, edgecolor="white", linewidth=0.6)
 PAPER_LABEL = f"paper ({PAPER_HARDWARE})"
@@ -222,53 +217,137 @@ def ratio_heatmaps(table: pd.DataFrame, name: str, out: Path, rows: str, cols: s
                   cbar_label=cbar_label or value, labels=labels, data=data)
 
 
+GPU = "gpu"              # the column a figure's frame names the GPU in (per_gpu): one row of panels per GPU
+LEGEND_PT = 8            # every legend's font size (figures are read at print size)
+MAX_SERIES = 5           # the most series one panel draws
+
+
+def per_gpu(cells: pd.DataFrame, build) -> pd.DataFrame:
+    """``build(cells of one GPU)`` for every GPU the cells ran on (``provenance.gpu_name``), each result
+    with the GPU in column ``gpu``, concatenated: a figure's frame where cells of two GPU models are
+    never pooled, and each GPU's ratios pair it with its own baseline cells."""
+    if cells is None or cells.empty or "provenance.gpu_name" not in cells.columns:
+        return build(cells).assign(**{GPU: gpu_names(cells)})
+    parts = [build(g).assign(**{GPU: str(name)}) for name, g in cells.groupby("provenance.gpu_name", sort=True)]
+    return pd.concat(parts, ignore_index=True) if parts else build(cells).assign(**{GPU: gpu_names(cells)})
+
+
+def suptitle(fig, text: str, fontsize: int = 10) -> None:
+    """The figure's title, wrapped to the figure's width (never cut off at its edges)."""
+    width = max(int(fig.get_figwidth() * 72 / (0.6 * fontsize)), 40)
+    fig.suptitle("\n".join(textwrap.wrap(text, width)), fontsize=fontsize)
+
+
+def legend_below(fig, axes, at: tuple[float, float] = (0.5, 0.0), ncol: int | None = None) -> None:
+    """One legend below the panels (never over data), centred at ``at`` (figure fraction): every label drawn
+    in ``axes``, once, the systems in SYSTEM_ORDER and the paper's markers last. Their axes legends are removed."""
+    handles = {}
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+        if ax.get_legend() is not None:
+            ax.get_legend().remove()
+    if handles:    # the paper's markers after the series
+        rank = {s: i for i, s in enumerate(SYSTEM_ORDER)}
+        handles = dict(sorted(handles.items(), key=lambda kv: (kv[0].startswith("paper"), rank.get(kv[0].split(" (")[0], len(rank)))))
+        fig.legend(list(handles.values()), list(handles.keys()), loc="upper center", bbox_to_anchor=at,
+                   ncol=ncol or min(len(handles), 4), fontsize=LEGEND_PT, frameon=False)
+
+
+def _span(xs, x: str, every) -> str:
+    """x values as runs of the axis' values: '512-4K, 16K'."""
+    every, vals = sorted({float(v) for v in every}), {float(v) for v in xs}
+    lab = (lambda v: lp_label(v)) if x == "workload.prefix_len" else show
+    runs, cur = [], []
+    for v in every:
+        if v in vals:
+            cur.append(v)
+        elif cur:
+            runs, cur = runs + [cur], []
+    runs += [cur] if cur else []
+    return ", ".join(lab(r[0]) if len(r) == 1 else f"{lab(r[0])}-{lab(r[-1])}" for r in runs)
+
+
+def missing_note(drawn: dict, xs_all, x: str, systems) -> str:
+    """What a panel lacks: 'Lp 512-4K: not measured; hydragen: not measured; sglang_cascade: not measured at
+    Lp 512-8K'; ``drawn``: {system: x values drawn in the panel}, ``xs_all``: the figure's x values."""
+    name = SHORT.get(x, x)
+    seen = set().union(*drawn.values()) if drawn else set()
+    gap = sorted(set(xs_all) - seen)
+    parts = [f"{name} {_span(gap, x, xs_all)}: {NOT_MEASURED}"] if gap and seen else []
+    absent = [s for s in systems if not drawn.get(s)]
+    if absent:
+        parts.append(f"{', '.join(absent)}: {NOT_MEASURED}")
+    for s in systems:
+        miss = seen - set(drawn.get(s, ()))
+        if drawn.get(s) and miss:
+            parts.append(f"{s}: {NOT_MEASURED} at {name} {_span(miss, x, xs_all)}")
+    return "; ".join(parts)
+
+
 def lines_vs(table: pd.DataFrame, name: str, out: Path, x: str, facet: list[str], value: str = "mean",
              ylabel: str = "output tok/s", title: str = "", logy: bool = False, gpu: str = "GPU ?",
              skip_systems=(), paper: pd.DataFrame | None = None, hline: float | None = None) -> None:
-    """One panel per facet (the configurations that have data): ``value`` vs ``x`` per system (error bars:
-    rep min-max when present), Lp ticks 512 ... 16K; ``paper``: rows (config, x, value, check) drawn as
-    the paper's values in their panel; ``hline``: a reference line (e.g. 1.0 for a ratio)."""
+    """One panel per facet (the configurations that have data), one row of panels per GPU where the table
+    has a ``gpu`` column (per_gpu) with two or more GPUs: ``value`` vs ``x`` per system (error bars: rep
+    min-max when present) on one y axis shared by every panel, Lp ticks 512 ... 16K, one legend below the
+    panels; each panel's title names the systems it lacks and where (``not measured``) and says where the
+    paper has no value for it; ``paper``: rows (config, x, value, check) drawn as the paper's values in
+    their panel; ``hline``: a reference line (e.g. 1.0 for a ratio)."""
     df = table[(table["status"] == "measured")]
     df = df[df[value].notna()] if value in df.columns else df.iloc[0:0]
     df = df[~df["system"].isin(skip_systems)] if not df.empty else df
-    panels = _facets(df, facet)
+    gpus = sorted(df[GPU].astype(str).unique()) if GPU in df.columns and not df.empty else []
+    rows = [(gname, df[df[GPU].astype(str) == gname]) for gname in gpus] if len(gpus) > 1 else [("", df)]
+    panels = [(gname, lab, g) for gname, d in rows for lab, g in _facets(d, facet)]
     # a configuration measured at a single x is a point, not a curve: named below the figure, in the table
-    single = [lab for lab, g in panels if g[x].nunique() < 2]
+    single = [(gname, lab) for gname, lab, g in panels if g[x].nunique() < 2]
     if len(single) < len(panels):
-        panels = [(lab, g) for lab, g in panels if lab not in single]
+        panels = [p for p in panels if (p[0], p[1]) not in single]
     else:
         single = []
     if not panels:
         placeholder_figure(name, out, f"no measured cells with {value}")
         return
-    n = len(panels)
-    fig, axes = plt.subplots(1, n, figsize=(3.9 * n, 3.4), squeeze=False)
+    labs = list(dict.fromkeys(lab for _, lab, _ in panels))
+    grows = list(dict.fromkeys(gname for gname, _, _ in panels))
+    fig, axes = plt.subplots(len(grows), len(labs), figsize=(3.9 * len(labs), 3.6 * len(grows) + 0.4), squeeze=False,
+                             sharey=True)
     colors = system_colors(df["system"].unique())
+    systems = system_order(df["system"].unique())
     left_out, drawn = 0, []
-    for ax, (lab, g) in zip(axes.flat, panels):
+    xs_table = table[x].dropna().astype(float) if x in table.columns else df[x].astype(float)
+    for gname, lab, g in panels:
+        ax = axes[grows.index(gname), labs.index(lab)]
+        got = {}
         for s in system_order(g["system"].unique()):
             gs, k = one_per_point(g[g["system"] == s], [x])
             left_out += k
             gs = gs.sort_values(x)
+            got[s] = set(gs[x].astype(float))
             yerr = None
             if value == "mean" and {"min", "max"} <= set(gs.columns):
                 yerr = np.vstack([(gs["mean"] - gs["min"]).fillna(0), (gs["max"] - gs["mean"]).fillna(0)]).astype(float)
             ax.errorbar(gs[x].astype(float), gs[value].astype(float), yerr=yerr, marker="o", ms=4, label=s, capsize=2,
                         color=colors[s])
-            drawn.append(gs.assign(panel=lab))
+            drawn.append(gs.assign(panel=f"{gname}, {lab}" if gname else lab))
         if hline is not None:
             ax.axhline(hline, color="grey", lw=0.8, ls="--")
         cfg = lab.split("=", 1)[-1]
-        if paper is not None and not paper.empty:
+        notes = [missing_note(got, set(xs_table), x, systems)]
+        if paper is not None:
+            mine = paper[paper["config"] == cfg] if not paper.empty else paper
             labelled = set()
-            for _, p in paper[paper["config"] == cfg].iterrows():
+            for _, p in mine.iterrows():
                 if np.isfinite(p["x"]) and np.isfinite(p["value"]):
                     bound = p["check"] if p["check"] in ("bound_ge", "bound_le") else None
                     mark_paper(ax, p["x"], p["value"], label=bound not in labelled, bound=bound)
                     labelled.add(bound)
+            if not labelled:
+                notes.append(f"no paper value for {cfg}")
         xs = g[x].astype(float)
         if x == "workload.prefix_len":
-            lp_axis(ax, xs)
+            lp_axis(ax, xs_table if len(xs_table) else xs)
         else:
             ax.set_xscale("log", base=2)
             vals = sorted(set(xs))
@@ -277,16 +356,25 @@ def lines_vs(table: pd.DataFrame, name: str, out: Path, x: str, facet: list[str]
         if logy:
             ax.set_yscale("log")
         ax.set_xlabel(SHORT.get(x, x))
-        ax.set_ylabel(ylabel)
-        ax.set_title(cfg, fontsize=9)
-        ax.legend(fontsize=6)
-    fig.suptitle(title_of(title, gpu, [lab.split("=", 1)[-1] for lab, _ in panels]), fontsize=10)
-    notes = ([_left_out_note(left_out).lstrip("; ")] if left_out else []) + (
-        [f"measured at one {SHORT.get(x, x)} only (in the table): " + ", ".join(l.split("=", 1)[-1] for l in single)]
-        if single else [])
-    if notes:
-        fig.text(0.5, -0.02, "; ".join(notes), ha="center", fontsize=7)
+        ax.set_ylabel(ylabel if labs.index(lab) == 0 else "")
+        ax.yaxis.set_tick_params(labelleft=True)
+        head = f"{gname}: {cfg}" if gname else cfg
+        ax.set_title("\n".join([head] + textwrap.wrap("; ".join(n for n in notes if n), 52)), fontsize=8.5)
+    for r, gname in enumerate(grows):
+        for c, lab in enumerate(labs):
+            if not any(p[0] == gname and p[1] == lab for p in panels):
+                axes[r, c].axis("off")
+                axes[r, c].text(0.5, 0.5, f"{gname}: {lab.split('=', 1)[-1]}\n{NOT_MEASURED}", ha="center",
+                                va="center", fontsize=9, transform=axes[r, c].transAxes)
+    suptitle(fig, title_of(title, ", ".join(gpus) if len(gpus) > 1 else gpu, [lab.split("=", 1)[-1] for lab in labs]))
     fig.tight_layout()
+    legend_below(fig, axes.flat, ncol=min(len(systems) + 2, 6))
+    notes = ([_left_out_note(left_out).lstrip("; ")] if left_out else []) + (
+        [f"measured at one {SHORT.get(x, x)} only (in the table): "
+         + ", ".join(f"{g + ': ' if g else ''}{lab.split('=', 1)[-1]}" for g, lab in single)] if single else [])
+    if notes:
+        fig.text(0.5, -0.3 / fig.get_figheight() - 0.02, "\n".join(textwrap.wrap("; ".join(notes), 160)),
+                 ha="center", va="top", fontsize=8)
     keep = [c for c in ["panel", x, "system", value, "min", "max", "n"] if c in drawn[0].columns] if drawn else []
     save_figure(fig, name, out, data=pd.concat(drawn, ignore_index=True)[keep] if drawn else None)
 

@@ -25,7 +25,7 @@ from analysis.common import NOT_MEASURED, placeholder_figure, plt, save_figure, 
 from analysis.load import Results
 from analysis.measures.dispatch import bench_dispatch_us, overhead_frame
 from analysis.paper import paper_claims
-from analysis.plots import PAPER_LABEL, gpu_names, title_of
+from analysis.plots import PAPER_LABEL, gpu_names, legend_below, title_of
 from analysis.registry import register_exhibit
 
 
@@ -58,12 +58,11 @@ def draw(m: pd.DataFrame, out: Path, gpu: str) -> None:
     a2.set_xlabel("dispatcher CPU time per decode step (us, mean over steps; log)")
     a1.set_title("share of the decode step", fontsize=9)
     a2.set_title("CPU time per step", fontsize=9)
-    for ax in (a1, a2):
-        ax.legend(fontsize=7, loc="lower right")
     configs = sorted(m["config"].dropna().astype(str).unique()) if "config" in m.columns else []
     fig.suptitle(title_of("Dispatcher cost per decode step, every GraniKV serving cell (cells per sweep in brackets)",
                           gpu, configs), fontsize=10)
     fig.tight_layout()
+    legend_below(fig, [a1, a2], ncol=2)
     save_figure(fig, NAME, out, data=m[["config", "sweep", "cell_id", "system", "decode_steps", "step_ms_mean",
                                         "dispatch_us", "share_pct"]])
 

@@ -20,7 +20,7 @@ from analysis.common import (GRID_B, LPS, NOT_MEASURED, aggregate, placeholder_f
 from analysis.load import Results
 from analysis.measures.dispatch import with_dispatch
 from analysis.paper import paper_claims
-from analysis.plots import PAPER_LABEL, gpu_names, lp_label, mark_paper, title_of
+from analysis.plots import PAPER_LABEL, gpu_names, legend_below, lp_label, mark_paper, title_of
 from analysis.registry import register_exhibit
 
 
@@ -81,12 +81,12 @@ def draw(res: Results, m: pd.DataFrame, out: Path) -> None:
     a2.set_xlabel("Meff = B x Hq/Hkv (dashed: the paper's A100 threshold)")
     a2.set_ylabel("TPOT p50, dense-only / cascade-only")
     a2.set_title("forced backends", fontsize=9)
-    a2.legend(fontsize=6)
     cells = select(with_dispatch(res.cells), SELECT) if not res.cells.empty else res.cells
     fig.suptitle(title_of("Per-step dispatch, synthetic grid", gpu_names(cells), [cfg]), fontsize=10)
     if others:
-        fig.text(0.5, -0.02, "also measured (in the table): " + ", ".join(others), ha="center", fontsize=7)
+        fig.text(0.5, -0.2, "also measured (in the table): " + ", ".join(others), ha="center", va="top", fontsize=8)
     fig.tight_layout()
+    legend_below(fig, [a2], (0.75, 0.0), ncol=2)
     save_figure(fig, NAME, out, data=m[["config", "workload.prefix_len", "workload.batch", "meff", "dense_fraction",
                                         "tpot_dense_over_cascade"]])
 

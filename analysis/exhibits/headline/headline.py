@@ -14,7 +14,7 @@ from analysis.common import (HEADLINE_CELLS, LPS, PAPER_CONFIG_LABELS, THROUGHPU
                              select, system_table, write_table)
 from analysis.load import Results
 from analysis.paper import paper_claims
-from analysis.plots import gpu_names, lines_vs
+from analysis.plots import gpu_names, lines_vs, per_gpu
 from analysis.registry import register_exhibit
 
 
@@ -41,10 +41,15 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
                 note="mean/sd/min/max over repetitions (n); ratios of rep means in the same configuration.")
     if not figures:
         return t
-    gpu = gpu_names(select(res.cells, HEADLINE_CELLS) if not res.cells.empty else res.cells)
-    lines_vs(t, "headline_throughput", out, "workload.prefix_len", ["config"], gpu=gpu,
+    cells = select(res.cells, HEADLINE_CELLS) if not res.cells.empty else res.cells
+    gpu = gpu_names(cells)
+    # the figures' frame: the same table built per GPU (a GPU's ratios over its own SGLang default), one row of
+    # panels per GPU on one y axis; the written table is the one above
+    f = per_gpu(cells, lambda c: system_table(c, res.config_columns, HEADLINE_CELLS, ["config", "workload.prefix_len"],
+                                              expected={"config": PAPER_CONFIG_LABELS, "workload.prefix_len": LPS}))
+    lines_vs(f, "headline_throughput", out, "workload.prefix_len", ["config"], gpu=gpu,
              title="Headline (ShareGPT + shared prefix, B=256): output tok/s vs Lp")
-    lines_vs(t, "headline_ratio", out, "workload.prefix_len", ["config"], value="ratio_vs_sglang_default",
+    lines_vs(f, "headline_ratio", out, "workload.prefix_len", ["config"], value="ratio_vs_sglang_default",
              ylabel="output throughput / sglang_default", skip_systems=("sglang_default",), hline=1.0, gpu=gpu,
              paper=paper_points(), title="Headline (B=256): throughput over SGLang default vs Lp")
     return t

@@ -14,7 +14,7 @@ from analysis.common import (PAPER_CONFIG_LABELS, THROUGHPUT_DIGITS, placeholder
                              select, show, system_table, write_table)
 from analysis.load import Results
 from analysis.paper import paper_claims
-from analysis.plots import gpu_names, mark_paper, title_of
+from analysis.plots import gpu_names, legend_below, mark_paper, title_of
 from analysis.registry import register_exhibit
 
 
@@ -50,7 +50,7 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
         bound = p["check"] if p["check"] in ("bound_ge", "bound_le") else None
         mark_paper(ax, p["batch"], p["value"], label=bound not in labelled, bound=bound)
         if not bound:    # the parity bounds (one per config at B=256) share one point: the legend names them
-            ax.annotate(p["config"], (p["batch"], p["value"]), textcoords="offset points", xytext=(6, -3), fontsize=6)
+            ax.annotate(p["config"], (p["batch"], p["value"]), textcoords="offset points", xytext=(6, -3), fontsize=8)
         labelled.add(bound)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     bs = sorted(set(g["workload.batch"].astype(float)) | set(pc["batch"]))
@@ -59,10 +59,10 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     ax.minorticks_off()
     ax.set_xlabel("B")
     ax.set_ylabel("GraniKV / sglang_default output throughput")
-    ax.legend(fontsize=7)
     cells = select(res.cells, SELECT) if not res.cells.empty else res.cells
     ax.set_title(title_of("Limitation cells, Lp=512", gpu_names(cells), sorted(g["config"].unique())), fontsize=9)
     fig.tight_layout()
+    legend_below(fig, [ax], ncol=2)
     save_figure(fig, NAME, out, data=g[["workload.kind", "config", "workload.batch", "system", "n", "mean",
                                         "ratio_vs_sglang_default"]])
     return t

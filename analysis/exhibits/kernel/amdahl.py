@@ -25,7 +25,7 @@ from analysis.common import (NOT_MEASURED, PAPER_CONFIG_LABELS, placeholder_figu
                              with_derived, write_table)
 from analysis.load import Results
 from analysis.measures.amdahl import CELL, amdahl_frame
-from analysis.plots import gpu_names, title_of
+from analysis.plots import gpu_names, legend_below, title_of
 from analysis.registry import register_exhibit
 
 
@@ -64,12 +64,12 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xticks(x, [f"{c}\n({src})" for c, src in zip(m["config"], m["measured_from"])], fontsize=7)
     ax.set_ylabel("GraniKV speed-up over sglang_default")
-    ax.legend(fontsize=7, loc="upper right")
     cells = with_derived(res.cells)
     cells = select(cells, CELL) if not cells.empty else cells
     ax.set_title(title_of("Amdahl vs measured (B=256, Lp=8K; f = profiled prefix-attention share)", gpu_names(cells),
                           list(m["config"])), fontsize=9)
     fig.tight_layout()
+    legend_below(fig, [ax], ncol=3)
     save_figure(fig, NAME, out, data=m[["config", "f_attention_share", "s_paper", "s_ours", "predicted_paper_s",
                                         "predicted_our_s", "measured", "measured_from"]])
     return t

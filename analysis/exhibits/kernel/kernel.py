@@ -33,7 +33,7 @@ from analysis.common import NOT_MEASURED, NULL, aggregate, placeholder_figure, p
 from analysis.load import Results
 from analysis.measures.kernels import DERIVED_KINDS, OWN_EXHIBIT_KINDS, describe_columns, kernel_frame
 from analysis.paper import paper_claims
-from analysis.plots import PAPER_LABEL, lp_axis, title_of
+from analysis.plots import PAPER_LABEL, legend_below, lp_axis, suptitle, title_of
 from analysis.registry import register_exhibit
 
 
@@ -42,48 +42,78 @@ NAME = "kernel"
 FIGURES = ("kernel_roofline",)
 
 
+# the roofline's series: kernel backends and variants by family (at most five per panel)
+FAMILIES = (("paged", ("paged",)), ("dense", ("dense", "contiguous_dense")), ("cascade, hydragen", ("cascade", "hydragen")),
+            ("GraniKV", ("granikv",)))
+OTHER = "GEMMs and other kernels"
+
+
+def family(backend) -> str:
+    """The roofline series a kernel row's backend falls in (FAMILIES by name prefix, else OTHER)."""
+    b = str(backend)
+    return next((name for name, pre in FAMILIES if b.startswith(pre)), OTHER)
+
+
+def _roof(ax, g: pd.DataFrame, xlim) -> str:
+    """One GPU's rows by family and its roof from its own measured peaks (median over its rows); the roof's label."""
+    markers = "osD^v"
+    order = [n for n, _ in FAMILIES] + [OTHER]
+    fam = g["k.backend"].map(family) if "k.backend" in g.columns else pd.Series(OTHER, index=g.index)
+    for i, name in enumerate(order):
+        f = g[fam == name]
+        if len(f):
+            ax.scatter(f["intensity"], f["tflops"], label=name, s=14, color=plt.cm.tab10(i), marker=markers[i],
+                       alpha=0.75)
+    pk = g[["peak_tflops", "peak_tbps"]].dropna()
+    if pk.empty:
+        return "no measured peaks"
+    pt, pb = float(pk["peak_tflops"].median()), float(pk["peak_tbps"].median())
+    x = np.logspace(np.log10(xlim[0]), np.log10(xlim[1]), 100)
+    ax.plot(x, np.minimum(pt, x * pb), color="k", lw=1, label="roof (measured peaks)")
+    return f"roof: {pt:.0f} TFLOP/s, {pb:.2f} TB/s"
+
+
 def roofline(t: pd.DataFrame, keys: list[str], out: Path) -> None:
-    """Left: achieved TFLOP/s vs arithmetic intensity, one marker per kernel row, with the roof. Right: the
-    storage-layout speed-up (paged-equivalent over HOT layout, per Lp and head shape) on a log axis, with
-    the paper's value."""
+    """One roofline panel per GPU model (achieved TFLOP/s vs arithmetic intensity, the kernel rows by backend
+    family, the roof from that GPU's own measured peaks; every panel on the same axes), then the storage-layout
+    speed-up (paged-equivalent over HOT layout, per Lp and head shape) on a log axis, with the paper's value."""
     d = t[t["tflops"].notna() & t["intensity"].notna()] if "tflops" in t.columns else t.iloc[0:0]
     if d.empty:
         placeholder_figure("kernel_roofline", out, "kernel rows carry no flops/bytes: roofline not measured")
         return
-    hue = "k.backend" if "k.backend" in d.columns else None
-    fig, (ax, a2) = plt.subplots(1, 2, figsize=(11.5, 4.4), gridspec_kw={"width_ratios": [1.3, 1]})
-    groups = list(d.groupby(hue, sort=True)) if hue else [("kernel", d)]
-    markers = "osD^v<>"
-    for i, (lab, g) in enumerate(groups):   # a colour and marker of its own per backend / variant
-        ax.scatter(g["intensity"], g["tflops"], label=str(lab), s=16, color=plt.cm.tab20(i % 20),
-                   marker=markers[i % len(markers)], alpha=0.85)
-    pk = d[["peak_tflops", "peak_tbps"]].dropna()
-    if not pk.empty:
-        pt, pb = float(pk["peak_tflops"].iloc[0]), float(pk["peak_tbps"].iloc[0])
-        x = np.logspace(np.log10(max(d["intensity"].min() / 4, 1e-2)), np.log10(d["intensity"].max() * 4), 100)
-        ax.plot(x, np.minimum(pt, x * pb), color="k", lw=1, label=f"roof ({pt:.0f} TFLOP/s, {pb:.2f} TB/s)")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP / HBM byte)")
-    ax.set_ylabel("achieved TFLOP/s")
-    ax.set_title("roofline, every kernel row", fontsize=9)
-    ax.legend(fontsize=6, title=hue[2:] if hue else None, title_fontsize=6, ncol=2)
+    gcol = "provenance.gpu_name"
+    by_gpu = list(d.groupby(gcol, sort=True)) if gcol in d.columns and d[gcol].notna().any() else [("GPU ?", d)]
+    n = len(by_gpu)
+    fig, axes = plt.subplots(1, n + 1, figsize=(4.6 * n + 4.6, 4.6), squeeze=False,
+                             gridspec_kw={"width_ratios": [1.1] * n + [1]})
+    rf, a2 = list(axes[0, :n]), axes[0, n]
+    xlim = (max(d["intensity"].min() / 2, 1e-2), d["intensity"].max() * 2)
+    ylim = (d["tflops"].min() / 2, max(d["tflops"].max(), d["peak_tflops"].max() if "peak_tflops" in d else 0) * 2)
+    for ax, (gpu, g) in zip(rf, by_gpu):
+        roof = _roof(ax, g, xlim)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlim(*xlim)
+        ax.set_ylim(*ylim)
+        ax.set_xlabel("arithmetic intensity (FLOP / HBM byte)")
+        ax.set_ylabel("achieved TFLOP/s")
+        ax.set_title(f"{gpu}: {len(g)} kernel rows\n{roof}", fontsize=9)
     lay = t[(t.get("cell.kind") == "layout")] if "cell.kind" in t.columns else t.iloc[0:0]
     rows = []
     if not lay.empty:
-        for (shape, lp), g in lay.groupby(["cell.shape.name", "cell.prefix_len"], sort=True):
+        for (gpu, shape, lp), g in lay.groupby([gcol, "cell.shape.name", "cell.prefix_len"], sort=True):
             tm = g.set_index("k.backend")["time_us_mean"]
             if "contiguous_dense" not in tm.index:
                 continue
             for v in ("paged_unique_prefill", "paged_unique_decode"):
                 if v in tm.index:
-                    rows.append({"shape": shape, "workload.prefix_len": lp, "variant": v,
+                    rows.append({gcol: gpu, "shape": shape, "workload.prefix_len": lp, "variant": v,
                                  "speedup": float(tm[v] / tm["contiguous_dense"])})
     sp = pd.DataFrame(rows)
     if not sp.empty:
-        for (shape, v), g in sp.groupby(["shape", "variant"], sort=True):
+        for i, ((shape, v), g) in enumerate(sp.groupby(["shape", "variant"], sort=True)):
             g = g.sort_values("workload.prefix_len")
-            a2.plot(g["workload.prefix_len"], g["speedup"], marker="o",
+            a2.plot(g["workload.prefix_len"], g["speedup"], marker="o", color=plt.cm.tab10(i),
                     ls="-" if v.endswith("prefill") else "--",
                     label=f"{shape}: {v.replace('paged_unique_', 'paged copies, ')} kernel / HOT")
         paper = paper_claims(["kernel_storage_layout"])
@@ -93,16 +123,18 @@ def roofline(t: pd.DataFrame, keys: list[str], out: Path) -> None:
         lp_axis(a2, sp["workload.prefix_len"])
         a2.set_xlabel("Lp")
         a2.set_ylabel("time, paged-equivalent / HOT layout (log)")
-        a2.set_title("storage layout alone (B=256): speed-up of the HOT slab", fontsize=9)
-        a2.legend(fontsize=6)
+        a2.set_title("storage layout alone (B=256): speed-up of the HOT slab\n"
+                     + ", ".join(sorted(sp[gcol].astype(str).unique())), fontsize=9)
     else:
         a2.axis("off")
-    gpus = sorted(d["provenance.gpu_name"].dropna().astype(str).unique()) if "provenance.gpu_name" in d.columns else []
     shapes = sorted(d["cell.shape.name"].dropna().astype(str).unique()) if "cell.shape.name" in d.columns else []
-    fig.suptitle(title_of("Attention-layer microbenchmark (one layer per TP rank)", ", ".join(gpus) or "GPU ?",
-                          [f"shapes {', '.join(shapes)}"] if shapes else []), fontsize=10)
+    suptitle(fig, title_of("Attention-layer microbenchmark (one layer per TP rank)", ", ".join(g for g, _ in by_gpu),
+                           [f"shapes {', '.join(shapes)}"] if shapes else []))
     fig.tight_layout()
-    data = d[[c for c in ("provenance.gpu_name", "cell.kind", "cell.shape.name", "cell.prefix_len", "cell.batch",
+    legend_below(fig, rf, (0.5 * n / (n + 1), 0.0), ncol=3 * n)
+    if not sp.empty:
+        legend_below(fig, [a2], (1 - 0.5 / (n + 1), 0.0), ncol=1)
+    data = d[[c for c in (gcol, "cell.kind", "cell.shape.name", "cell.prefix_len", "cell.batch",
                           "k.backend", "intensity", "tflops") if c in d.columns]]
     save_figure(fig, "kernel_roofline", out, data=pd.concat([data.assign(panel="roofline"),
                                                             sp.assign(panel="layout speed-up")], ignore_index=True))

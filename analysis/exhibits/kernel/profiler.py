@@ -21,7 +21,7 @@ from analysis.common import NOT_MEASURED, identity, placeholder_figure, plt, sav
 from analysis.load import Results
 from analysis.measures.traces import eager_steps, trace_frame
 from analysis.paper import paper_claims
-from analysis.plots import gpu_names, mark_paper, system_colors, system_order, title_of
+from analysis.plots import gpu_names, legend_below, mark_paper, system_colors, system_order, title_of
 from analysis.registry import register_exhibit
 
 
@@ -77,12 +77,12 @@ def draw(m: pd.DataFrame, tf: pd.DataFrame, out: Path) -> None:
     for ax in (a1, a2):
         ax.set_yticks(range(len(configs)), configs, fontsize=8)
         ax.invert_yaxis()
-        ax.legend(fontsize=7)
     a2.axvline(1.0, color="grey", lw=0.8, ls="--")
     a1.set_xlabel("prefix-attention kernel time in the profiled window (ms)")
     a2.set_xlabel("sglang_default's prefix-attention time / this system's")
     fig.suptitle(title_of("torch.profiler, B=256, Lp=8K (rank 0's trace)", gpu_names(tf), configs), fontsize=10)
     fig.tight_layout()
+    legend_below(fig, [a1, a2], ncol=5)
     save_figure(fig, NAME, out, data=m[["config", "system", "n", "attention_ms", "kernel_ms", "share",
                                         "default_over_system"]])
 

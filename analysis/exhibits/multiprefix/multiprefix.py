@@ -2,21 +2,22 @@
 heterogeneous lengths k in {4, 8}; output tok/s per system, ratios to sglang_default and
 sglang_cascade, and (uniform) each system's throughput relative to its own k=1.
 
-Writes tables/multiprefix.{csv,md} and figures/multiprefix.{png,pdf,csv} (tok/s per k on a log axis where it
-spans a decade, and the ratio to sglang_default with the paper's values).
+Writes tables/multiprefix.{csv,md} and figures/multiprefix.{png,pdf,csv} (tok/s per k as lines on log axes,
+and the ratio to sglang_default as bars, with the paper's values).
 """
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from analysis.common import (NOT_MEASURED, THROUGHPUT_DIGITS, placeholder_figure, plt, rename_short, save_figure,
-                             select, system_table, with_derived, write_table)
+from analysis.common import (NOT_MEASURED, SHORT, THROUGHPUT_DIGITS, json_digest, placeholder_figure, plt, rename_short,
+                             save_figure, select, system_table, with_derived, write_table)
 from analysis.load import Results
 from analysis.paper import paper_claims
-from analysis.plots import PAPER_LABEL, gpu_names, mark_paper, system_colors, system_order, title_of
+from analysis.plots import PAPER_LABEL, gpu_names, legend_below, mark_paper, suptitle, system_colors, system_order, title_of
 from analysis.registry import register_exhibit
 
 
@@ -47,62 +48,94 @@ def _bars(ax, g: pd.DataFrame, value: str, systems: list[str], colors: dict, ks:
     return pos
 
 
-def draw(res: Results, m: pd.DataFrame, keys: list[str], out: Path) -> None:
-    """Per (mode, config, KV-budget preset): output tok/s per k and system on a log axis (the k=64 cells
-    are 10-30x below k=1), and each system's throughput over SGLang default, with the paper's values."""
+def _lines(ax, g: pd.DataFrame, systems: list[str], colors: dict, ks: list[int]) -> None:
+    """Output tok/s per k, one line per system, on log axes (k = 1 ... 64; the k=64 cells are 10-30x below k=1)."""
+    for s in systems:
+        gs = g[(g["system"] == s) & pd.to_numeric(g["mean"], errors="coerce").notna()].sort_values("workload.num_prefixes")
+        base = s == "sglang_default"      # dashed, on top: where a system runs at SGLang default's speed both show
+        ax.plot(gs["workload.num_prefixes"], gs["mean"].astype(float), marker="o", ms=4, label=s, color=colors[s],
+                ls="--" if base else "-", zorder=3 if base else 2)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ks, [str(k) for k in ks])
+    ax.minorticks_off()
+    if len(ks) == 1:
+        ax.set_xlim(ks[0] / 1.5, ks[0] * 1.5)
+    ax.set_yscale("log")
+    ax.set_xlabel("k (distinct shared prefixes)")
+
+
+def _panels(m: pd.DataFrame, keys: list[str]) -> tuple[list, list[str]]:
+    """(title, config, budget, rows) per configuration with a system to compare with SGLang default; the
+    titles name what else tells two configurations apart (e.g. a decision table, by digest); and the
+    configurations left out (SGLang default alone: no ratio to draw, in the table)."""
     by = ["mode", "config"] + [c for c in keys if c not in ("mode", "config", "system", "workload.prefix_lens")]
-    panels = list(m.groupby(by, dropna=False, sort=True))
+    groups = []
+    for key, g in m.groupby(by, dropna=False, sort=True):
+        key = dict(zip(by, key if isinstance(key, tuple) else (key,)))
+        groups.append((f"{key['mode']}, {key['config']}, KV budget {key.get('hardware.name')}", key, g))
+    def titled(base: str, key: dict, among: list) -> str:
+        twins = [k for b, k, _ in among if b == base]
+        extra = [c for c in by[2:] if c != "hardware.name" and len({str(k[c]) for k in twins}) > 1]
+        return base + "".join(f", {SHORT.get(c, c)} {json_digest(key[c])}" for c in extra)
+    compared = [(b, k, g) for b, k, g in groups if not set(g["system"]) <= {"sglang_default"}]
+    alone = [titled(b, k, groups) for b, k, g in groups if set(g["system"]) <= {"sglang_default"}]
+    drawn = [(titled(b, k, compared), k["config"], k.get("hardware.name"), k["mode"], g) for b, k, g in compared]
+    return drawn, alone
+
+
+def draw(res: Results, m: pd.DataFrame, keys: list[str], out: Path) -> None:
+    """Per (mode, config, KV-budget preset): output tok/s per k and system (lines on log axes, one y axis for
+    the row), and each system's throughput over SGLang default (bars on a linear axis, one y axis for the
+    row), with the paper's values; a configuration with SGLang default alone is named below the figure."""
+    panels, alone = _panels(m, keys)
+    if not panels:
+        placeholder_figure(NAME, out, "no multiprefix configuration with a system beside SGLang default")
+        return
     paper = paper_claims()
     paper = paper[paper["id"].str.startswith("multiprefix")]
     n = len(panels)
-    fig, axes = plt.subplots(2, n, figsize=(4.3 * n, 6.4), squeeze=False)
+    fig, axes = plt.subplots(2, n, figsize=(4.3 * n, 7.0), squeeze=False, sharey="row")
     colors = system_colors(m["system"].unique())
     drawn = []
-    for col, (key, g) in enumerate(panels):
-        key = dict(zip(by, key if isinstance(key, tuple) else (key,)))
+    for col, (title, config, budget, mode, g) in enumerate(panels):
         ks = sorted(int(k) for k in g["workload.num_prefixes"].unique())
         systems = system_order(g["system"].unique())
         g = g.assign(**{"workload.num_prefixes": g["workload.num_prefixes"].astype(int)})
         top, bot = axes[0, col], axes[1, col]
-        pos = _bars(top, g, "mean", systems, colors, ks)
-        v = pd.to_numeric(g["mean"], errors="coerce").dropna()
-        if len(v) and v.max() / max(v.min(), 1e-9) >= 10:       # spans a decade or more (k=64): log axis
-            top.set_yscale("log")
-            top.set_ylim(10 ** np.floor(np.log10(v.min() / 2)), v.max() * 2)
-            top.set_ylabel("output tok/s (log scale)")
-        else:
-            top.set_ylabel("output tok/s")
-        budget = key.get("hardware.name")
-        top.set_title(f"{key['mode']}, {key['config']}, KV budget {budget}", fontsize=9)
+        _lines(top, g, systems, colors, ks)
+        top.set_ylabel("output tok/s (log)")
+        top.set_title("\n".join(textwrap.wrap(title, 48)), fontsize=9)
         others = [s for s in systems if s != "sglang_default"]
         pos2 = _bars(bot, g, "ratio_vs_sglang_default", others, colors, ks)
         bot.axhline(1.0, color="grey", lw=0.8, ls="--")
         bot.set_ylabel("output throughput / sglang_default")
+        for ax in (top, bot):
+            ax.yaxis.set_tick_params(labelleft=True)
         # the paper's values (its A100-40GB KV budget: hardware=a100_40gb cells), where it gives one
-        mine = paper[(paper["hardware"] == budget) & (paper["config"] == key["config"])]
-        mode_ok = mine["id"].str.contains("uniform" if key["mode"] == "uniform" else "hetero")
+        mine = paper[(paper["hardware"] == budget) & (paper["config"] == config)]
+        mode_ok = mine["id"].str.contains("uniform" if mode == "uniform" else "hetero")
         first_t = first_b = True
         for _, p in mine[mode_ok].iterrows():
             if not np.isfinite(p["k"]) or int(p["k"]) not in ks:
                 continue
             if p["unit"] == "tok/s":
-                top.hlines(p["value"], ks.index(int(p["k"])) - 0.45, ks.index(int(p["k"])) + 0.45, color="black",
-                           lw=1.6, ls=":", label=f"{PAPER_LABEL}, every system" if first_t else None)
+                top.hlines(p["value"], int(p["k"]) / 1.4, int(p["k"]) * 1.4, color="black", lw=1.6, ls=":",
+                           label=f"{PAPER_LABEL}, every system" if first_t else None)
                 first_t = False
             elif p["base_system"] == "sglang_default" and (p["system"], int(p["k"])) in pos2:
                 mark_paper(bot, pos2[(p["system"], int(p["k"]))], p["value"], label=first_b)
                 first_b = False
-        drawn.append(g.assign(panel=f"{key['mode']}, {budget}")[
+        drawn.append(g.assign(panel=title)[
             ["panel", "workload.num_prefixes", "system", "mean", "ratio_vs_sglang_default", "vs_own_k1", "n"]])
-    fig.suptitle(title_of("Multi-prefix, Lp=8K, B=256", gpu_names(select(res.cells, SELECT) if not res.cells.empty
-                                                                  else res.cells),
-                          [k[1] for k, _ in panels]), fontsize=10)
-    handles = {}
-    for ax in axes.flat:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(lab, h)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    suptitle(fig, title_of("Multi-prefix, Lp=8K, B=256", gpu_names(select(res.cells, SELECT) if not res.cells.empty
+                                                                   else res.cells),
+                           [p[1] for p in panels]))
+    fig.tight_layout()
+    legend_below(fig, axes.flat, ncol=6)
+    if alone:
+        fig.text(0.5, -0.5 / fig.get_figheight() - 0.02, "\n".join(textwrap.wrap(
+            "SGLang default alone (no system to compare, in the table): " + "; ".join(alone), 170)),
+            ha="center", va="top", fontsize=8)
     save_figure(fig, NAME, out, data=pd.concat(drawn, ignore_index=True))
 
 

@@ -34,7 +34,7 @@ from analysis.common import (NOT_MEASURED, THROUGHPUT, aggregate, placeholder_fi
 from analysis.load import Results
 from analysis.measures.sglang import BASE, PATHS, STAGES, SYSTEMS, VARIANTS, plugin_counters, variant_keys
 from analysis.paper import paper_claims
-from analysis.plots import gpu_names, lp_axis, mark_paper, system_colors, title_of
+from analysis.plots import gpu_names, legend_below, lp_axis, mark_paper, suptitle, system_colors, title_of
 from analysis.registry import register_exhibit
 
 
@@ -110,58 +110,88 @@ def is_current(row: pd.Series) -> bool:
     return all(row[k] in ("", v) for k, v in VARIANTS.items())
 
 
+def _setting(row: pd.Series) -> str:
+    """A row's plugin settings where they are not today's ('' for today's): 'multilevel, flashinfer'."""
+    return ", ".join(str(row[k]) for k, v in VARIANTS.items() if row[k] not in ("", v))
+
+
+def _series(h: pd.DataFrame) -> tuple[list, list]:
+    """The headline rows as (label, system, rows) series: per system, its main series (today's settings, else
+    the one it ran), then the rows of its other settings."""
+    main, other = [], []
+    for paper, g in h.groupby("system", sort=False):
+        runs = [(_setting(r.iloc[0]), r.sort_values("workload.prefix_len"))
+                for _, r in g.groupby(list(VARIANTS), sort=False)]
+        runs.sort(key=lambda sr: (not is_current(sr[1].iloc[0]), sr[0]))
+        for i, (setting, r) in enumerate(runs):
+            (main if i == 0 else other).append((f"{paper} ({setting})" if setting else paper, paper, r))
+    order = {s: i for i, s in enumerate(SYSTEMS)}
+    return sorted(main, key=lambda x: order.get(x[1], 99)), sorted(other, key=lambda x: order.get(x[1], 99))
+
+
 def draw(t: pd.DataFrame, res: Results, out: Path) -> None:
+    """Headline: output tok/s in SGLang and in the engine (one panel each, one y axis), each system over its
+    own SGLang default in SGLang (today's plugin settings), in the engine, and in SGLang with other plugin
+    settings (one y axis for the three); heterogeneous k=4 as horizontal bars (in SGLang / engine)."""
     m = t[t["status"] == "measured"]
     h = m[m["set"] == "headline"]
     if h.empty:
         placeholder_figure(NAME, out, "no in-SGLang plugin cells on the headline workload")
         return
     col = system_colors(SYSTEMS)
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4), gridspec_kw={"width_ratios": [1.1, 1.1, 0.8]})
-    for (paper, *var), g in h.groupby(["system", *VARIANTS], sort=False):
-        g = g.sort_values("workload.prefix_len")
+    fig, axes = plt.subplots(2, 3, figsize=(14, 8.2))
+    (a, e, c), (b, f, o) = axes
+    e.sharey(a)
+    f.sharey(b)
+    o.sharey(b)
+    main, other = _series(h)
+    for lab, paper, g in main:
         x = g["workload.prefix_len"].astype(int)
-        shown = ", ".join(v for v in var if v)
-        tag = f"{paper}{f' ({shown})' if shown else ''} in SGLang"
-        first = is_current(g.iloc[0])    # today's settings: solid, with the engine line once
-        a.plot(x, g["sglang_tok_s"], marker="o", color=col[paper], label=tag, ls="-" if first else "-.")
-        if first:
-            a.plot(x, g["engine_tok_s"], marker="s", ls="--", color=col[paper], alpha=0.6, label=f"{paper} (engine)")
+        a.plot(x, g["sglang_tok_s"], marker="o", color=col[paper], label=lab)
+        e.plot(x, g["engine_tok_s"], marker="s", ls="--", color=col[paper], label=paper)
         if paper != BASE:
-            b.plot(x, g["sglang_x"], marker="o", color=col[paper], label=tag, ls="-" if first else "-.")
-            if first:
-                b.plot(x, g["engine_x"], marker="s", ls="--", color=col[paper], alpha=0.6, label=f"{paper} (engine)")
+            b.plot(x, g["sglang_x"], marker="o", color=col[paper], label=lab)
+            f.plot(x, g["engine_x"], marker="s", ls="--", color=col[paper], label=paper)
+    for lab, paper, g in other:
+        o.plot(g["workload.prefix_len"].astype(int), g["sglang_x"], marker="^", ls="-.", color=col[paper], label=lab)
     claim = paper_claims(["headline_llama8b_in_sglang"])
     if len(claim) and np.isfinite(claim["value"].iloc[0]):
         mark_paper(b, 16384, float(claim["value"].iloc[0]))
-    b.axhline(1.0, color="0.5", lw=0.8)
-    for ax, yl in ((a, "output tok/s"), (b, "output throughput / own SGLang default")):
+    titles = {a: "output tok/s in SGLang", e: "output tok/s in the engine",
+              b: "in SGLang, over real SGLang default", f: "in the engine, over the engine's sglang_default",
+              o: "in SGLang, other plugin settings (in the table)"}
+    for ax, tt in titles.items():
         ax.set_xlabel("shared prefix Lp (tokens)")
-        ax.set_ylabel(yl)
+        ax.set_ylabel("output tok/s" if ax in (a, e) else "output throughput / own SGLang default")
         lp_axis(ax, h["workload.prefix_len"].astype(int))
-        ax.legend(fontsize=7)
-    a.set_title("headline, ShareGPT, B=256 (solid: in SGLang; dashed: engine)", fontsize=9)
-    b.set_title("ratio to SGLang default (real SGLang / the engine's)", fontsize=9)
-    k = m[(m["set"] == "hetero k=4") & (m["system"] != BASE)]
+        ax.set_title(tt, fontsize=9)
+        if ax in (b, f, o):
+            ax.axhline(1.0, color="0.5", lw=0.8)
+    if not other:
+        o.text(0.5, 0.5, "no cells with other settings", ha="center", va="center", transform=o.transAxes)
+    k = m[(m["set"] == "hetero k=4") & (m["system"] != BASE)].iloc[::-1]
     if k.empty:
         c.axis("off")
         c.text(0.5, 0.5, f"hetero k=4: {NOT_MEASURED}", ha="center", va="center")
     else:
-        xs = np.arange(len(k))
-        c.bar(xs - 0.2, k["sglang_x"], 0.4, color=[col[s] for s in k["system"]], label="in SGLang")
-        c.bar(xs + 0.2, k["engine_x"], 0.4, color=[col[s] for s in k["system"]], alpha=0.45, hatch="//",
-              label="engine")
-        c.set_xticks(xs, [s + "".join(f"\n{v}" for v in var if v)
+        ys = np.arange(len(k))
+        c.barh(ys + 0.2, k["sglang_x"], 0.4, color=[col[s] for s in k["system"]])
+        c.barh(ys - 0.2, k["engine_x"], 0.4, color=[col[s] for s in k["system"]], alpha=0.45, hatch="//")
+        for key in (dict(label="in SGLang"), dict(alpha=0.45, hatch="//", label="in the engine")):
+            c.add_patch(plt.Rectangle((0, 0), 0, 0, facecolor="0.35", **key))   # legend keys (the colours: systems)
+        c.set_yticks(ys, [s + "".join(f"\n{v}" for v in var if v)
                           for s, *var in k[["system", *VARIANTS]].itertuples(index=False)], fontsize=8)
-        c.axhline(1.0, color="0.5", lw=0.8)
-        c.set_ylabel("output throughput / own SGLang default")
-        c.legend(fontsize=7)
+        c.axvline(1.0, color="0.5", lw=0.8)
+        c.set_xlabel("output throughput / own SGLang default")
         c.set_title("heterogeneous k=4, A100-40GB KV budget", fontsize=9)
     cells = select(with_derived(res.cells), {"system": "~sglang_server"}) if not res.cells.empty else res.cells
-    fig.suptitle(title_of("The four systems inside real SGLang and in the engine", gpu_names(cells),
-                          ["Llama-3.1-8B TP=1"]), fontsize=10)
-    fig.tight_layout()
-    save_figure(fig, NAME, out, data=m[["set", "workload.prefix_len", "system", "sglang_tok_s", "sglang_x",
+    suptitle(fig, title_of("The four systems inside real SGLang (plugin) and in the engine, headline ShareGPT B=256",
+                           gpu_names(cells), ["Llama-3.1-8B TP=1"]))
+    fig.tight_layout(h_pad=2.0)
+    legend_below(fig, [a, b, o], (0.36, 0.0), ncol=4)
+    if not k.empty:
+        legend_below(fig, [c], (0.86, 0.0), ncol=1)
+    save_figure(fig, NAME, out, data=m[["set", "workload.prefix_len", "system", *VARIANTS, "sglang_tok_s", "sglang_x",
                                         "engine_tok_s", "engine_x"]])
 
 
