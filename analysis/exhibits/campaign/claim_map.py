@@ -214,7 +214,7 @@ def merged_overrides(cells: pd.DataFrame) -> list[str] | None:
                 values[k].append(v)
     if any(len(v) > 1 and any(ch in x for x in v for ch in ",[]") for v in values.values()):
         return None
-    return [f"{k}={','.join(v)}" for k, v in values.items()]
+    return [f"{k}={','.join(sorted(v, key=int) if all(x.isdigit() for x in v) else v)}" for k, v in values.items()]
 
 
 def rerun_rows(res: Results, claims: pd.DataFrame, ev: pd.DataFrame, items, planned: pd.DataFrame, ctx,
@@ -233,26 +233,31 @@ def rerun_rows(res: Results, claims: pd.DataFrame, ev: pd.DataFrame, items, plan
         used = set(pd.concat([select(frame, s) for s in deciding_selections(c)]).get("path", [])) \
             if not frame.empty else set()
         inst = "=True" if c["frame"] == "trace" else "=False"
-        for n in names.get(c["id"], []):
-            sweeps = sorted(set(planned.loc[planned["item"] == n, "sweep"])) if n in by_id else [n]
-            if folders and not set(sweeps) & set(folders):
+        mine = names.get(c["id"], [])
+        sweeps_of = {n: sorted(set(planned.loc[planned["item"] == n, "sweep"])) if n in by_id else [n] for n in mine}
+        holding = [n for n in mine if set(sweeps_of[n]) & set(folders)]
+        narrowed, whole = [], []        # rows of the deciding cells alone; of a whole experiment where none plans them
+        for n in holding or mine:        # the experiments holding the deciding cells, else every one of the claim
+            row = {"claim": c["id"], "verdict": ev.loc[c["id"], "verdict"], "experiment": n, "gpus": exp[n]["gpus"],
+                   "cells": int(exp[n]["cells"]), "deciding": c["decider"] or "every cell of the claim's selection",
+                   "raw": ", ".join(f"results/raw/{f}/" for f in folders if f in sweeps_of[n]) or exp[n]["raw"],
+                   "command": exp[n]["command"]}
+            if n not in by_id:
+                narrowed.append(row)
                 continue
-            cmd, k = exp[n]["command"], int(exp[n]["cells"])
-            if n in by_id:
-                mine = planned[planned["item"] == n]
-                near = pd.concat([_select_known(mine, {**s, "instrumented": inst}) for s in deciding_selections(c)])
-                keep = [any(p in used for p in finished.matching(r["sweep"], r["_identity"]).get("path", []))
-                        for _, r in near.iterrows()]
-                near = near[keep] if any(keep) else near
-                if near.empty:
-                    continue
-                ov = merged_overrides(near)
-                cmd, k = by_id[n].local_command(ov) if ov is not None else cmd, len(near)
-            rows.append({"claim": c["id"], "verdict": c["verdict"] if "verdict" in c else ev.loc[c["id"], "verdict"],
-                         "experiment": n, "gpus": exp[n]["gpus"], "cells": k,
-                         "deciding": c["decider"] or "every cell of the claim's selection",
-                         "raw": ", ".join(f"results/raw/{f}/" for f in folders if f in sweeps) or exp[n]["raw"],
-                         "command": cmd})
+            plan = planned[planned["item"] == n]
+            near = pd.concat([_select_known(plan, {**s, "instrumented": inst}) for s in deciding_selections(c)])
+            keep = [any(p in used for p in finished.matching(r["sweep"], r["_identity"]).get("path", []))
+                    for _, r in near.iterrows()]
+            near = near[keep] if any(keep) else near
+            if near.empty:
+                whole.append(row)
+                continue
+            ov = merged_overrides(near)
+            narrowed.append({**row, "cells": len(near),
+                             "command": by_id[n].local_command(ov) if ov is not None else row["command"]})
+        rows += narrowed or whole or [{"claim": c["id"], "verdict": ev.loc[c["id"], "verdict"], "experiment": "none",
+                                       "gpus": 0, "cells": 0, "deciding": c["decider"] or "-", "raw": "", "command": ""}]
     return rows
 
 
@@ -266,7 +271,9 @@ def write_rerun(rr: pd.DataFrame, out: Path) -> None:
          "verdict turns on (with its baseline); cells: the planned cells the command runs.", ""]
     for cid, g in rr.groupby("claim", sort=False):
         L += [f"## {cid}", "", f"**{g['verdict'].iloc[0]}**; deciding: {g['deciding'].iloc[0]}.", ""]
-        for _, r in g.iterrows():
+        if (g["experiment"] == "none").all():
+            L += ["No experiment of the campaign or bench folder measures it.", ""]
+        for _, r in g[g["experiment"] != "none"].iterrows():
             L += [f"- `{r['experiment']}` ({r['gpus']} GPU{'s' if int(r['gpus']) > 1 else ''}, {r['cells']} "
                   f"cell{'s' if int(r['cells']) != 1 else ''}, into {r['raw']}):", "", "  ```", f"  {r['command']}", "  ```", ""]
     (Path(out) / "tables" / "rerun.md").write_text("\n".join(L))
