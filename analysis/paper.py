@@ -2,16 +2,13 @@
 value as the figures draw it (:func:`paper_claims`) and the REPORT writes it (:func:`paper_shown`).
 What a claim's ``statistic`` computes and how its verdict is reached is analysis.verdict's."""
 from __future__ import annotations
+import re
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from analysis.common import config_label, parse_selectors
-
-
-
-
+from analysis.common import SHORT, config_label, parse_selectors, select
 
 
 CLAIMS_CSV = Path(__file__).resolve().parents[1] / "results" / "paper" / "claims.csv"
@@ -109,3 +106,29 @@ def paper_value_shown(c: pd.Series) -> str:
         return "yes"
     op = {"bound_ge": ">= ", "bound_le": "<= "}.get(c["check"], "")
     return f"{op}{c['paper_value']}{'-' + c['paper_value_hi'] if c['paper_value_hi'] else ''}"
+
+
+LONG_KEYS = {v: k for k, v in SHORT.items()}   # "Lp" -> "workload.prefix_len", as a claim's deciding cells name them
+
+
+def deciding_selections(c: pd.Series) -> list[dict[str, str]]:
+    """The selectors of a claim's deciding cells: the claim's own and its baseline's, each narrowed to the
+    configurations its ``decider`` names (``Lp=16384, B=256, system=granikv (...) and Lp=1024, ...``); the
+    claim's whole selection where it names none."""
+    pins: dict[str, list[str]] = {}
+    for part in str(c.get("decider", "") or "").split(" and "):
+        for key, value in re.findall(r"(\w+)=([^,\s()]+)", part.split(" (")[0]):
+            if key in LONG_KEYS and value not in pins.setdefault(LONG_KEYS[key], []):
+                pins[LONG_KEYS[key]].append(value)
+    sel = {**parse_selectors(c["selectors"]), **{k: "=" + "|".join(v) for k, v in pins.items()}}
+    base = parse_selectors(c["baseline"])
+    return [sel, {**sel, **base}] if base else [sel]
+
+
+def deciding_folders(frame: pd.DataFrame, c: pd.Series) -> list[str]:
+    """The results/raw folders (sweep names) that hold a claim's deciding cells in ``frame``, the frame the
+    claim is measured in (analysis.verdict.context.Context.frame)."""
+    if frame.empty or "sweep" not in frame.columns:
+        return []
+    d = pd.concat([select(frame, s) for s in deciding_selections(c)])
+    return sorted(set(d["sweep"].dropna().astype(str)))

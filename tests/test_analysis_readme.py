@@ -1,6 +1,7 @@
 """README.md as an evaluator reads it: short, the two commands of a fresh machine first, no commit hashes or
-issue numbers, and every number of its claims table, tally and claim map equal to the regenerated tables
-(results/tables/claims.csv, results/tables/experiments.csv)."""
+issue numbers, and every number it quotes equal to the regenerated tables: its claims table and tally
+(results/tables/claims.csv), each main claim linked to its rerun command (results/tables/rerun.md), the
+campaign's GPU-hours (results/tables/gpu_hours.csv) and the engine-fidelity ratios (engine_fidelity.csv)."""
 from __future__ import annotations
 import re
 from pathlib import Path
@@ -89,19 +90,63 @@ def test_claims_and_tally_match_the_regenerated_table():
     assert f"Verdicts over {len(ev)} claims: **{tally}**" in _text()
     rows = _rows(_section("Results at a glance"), "claim")
     assert len(rows) >= 8
-    for cid, paper, ours, unit, n, interval, verdict in rows:
-        cid = cid.strip("`")
+    for name, paper, ours, unit, n, interval, verdict in rows:
+        m = re.fullmatch(r"\[`(\w+)`\]\(results/tables/rerun\.md#(\w+)\)", name)
+        assert m and m.group(1) == m.group(2), f"{name}: not a link to its rerun command"
+        cid = m.group(1)
         r = ev[ev["id"] == cid].iloc[0]
         row = pd.Series({**full.loc[cid].to_dict(), **r.to_dict()})
         assert (paper, ours, unit, n, interval, verdict) == \
             (paper_value_shown(row), ours_compact(row), r["unit"], r["n"], r["interval"], r["verdict"]), cid
 
 
-def test_claim_map_matches_the_experiments_table():
-    ex = _table("experiments").set_index("experiment")
-    rows = _rows(_section("Claim map"), "experiment")
-    assert [r[0].strip("`") for r in rows] == list(ex.index)
-    for name, gpus, minutes, mb, command in rows:
-        e = ex.loc[name.strip("`")]
-        assert (gpus, minutes, mb, command.strip("`")) == \
-            (e["gpus"], e["gpu_time_min"] or "-", e["disk_mb"], e["command"]), name
+def test_main_claims_link_to_their_rerun_command():
+    rr = _table("rerun")
+    text = (TABLES / "rerun.md").read_text()
+    for (name, *_rest) in _rows(_section("Results at a glance"), "claim"):
+        cid = re.search(r"#(\w+)\)", name).group(1)
+        assert f"\n## {cid}\n" in text, cid                     # the anchor the link names
+        cmds = rr.loc[rr["claim"] == cid, "command"]
+        assert len(cmds) and all(c.startswith(("python -m runners.", "torchrun ")) for c in cmds), cid
+    head = rr[rr["claim"] == "headline_llama8b"]["command"]
+    assert any("workload.prefix_len=16384" in c for c in head)    # the deciding cells alone, not the whole sweep
+
+
+def test_gpu_hours_line_is_the_generated_one():
+    from analysis.exhibits.campaign.claim_map import gpu_hours_line
+    g = _table("gpu_hours").astype({"gpus": int, "gpu_hours": float})
+    line = gpu_hours_line(g)
+    assert line in _section("Claim map"), line
+    assert line in (TABLES / "gpu_hours.md").read_text()
+    ex = _table("experiments")
+    assert set(g["gpus"]) == {int(x) for x in ex["gpus"]}
+
+
+def test_engine_fidelity_numbers_are_the_generated_ones():
+    """The README's fidelity row and every "within N% of real SGLang" (README, docs) from engine_fidelity.csv."""
+    t = _table("engine_fidelity")
+    t = t[(t["workload.kind"] == "sharegpt") & (t["status"] == "measured")]
+    rows = {r[0]: r[1:] for r in _rows(_section("Baselines"), "Lp")}
+    ours = next(v for k, v in rows.items() if "sglang_default" in k)
+    gran = next(v for k, v in rows.items() if k.startswith("GraniKV"))
+    assert ours == list(t["ours/real"]) and gran == list(t["granikv/real"])
+    worst = max(abs(float(x) - 1) for x in t["ours/real"])
+    within = int(-(-round(worst * 100, 6) // 1))                     # the percentage rounded up
+    for doc in (README, ROOT / "docs" / "real_sglang.md"):
+        said = re.findall(r"within (\d+)% of real SGLang", doc.read_text().replace("\n", " "))
+        assert said and all(int(x) == within for x in said), (doc.name, said, within)
+
+
+def test_dispatch_share_is_the_claims_number_everywhere():
+    """The dispatcher's share of the decode step: one number (the claim's, over GraniKV's cells) wherever
+    README, findings.md and the REPORT (with its claim details) state it."""
+    ev = _table("claims").set_index("id")
+    share = ev.loc["dispatch_overhead_share", "ours_shown"].split(" ")[0]
+    docs = [README, ROOT / "docs" / "findings.md", ROOT / "results" / "REPORT.md", TABLES / "claim_details.md"]
+    said = []
+    for d in docs:
+        text = d.read_text().replace("\n", " ")
+        said += [(d.name, x) for x in re.findall(r"share of the decode step[^.]*?([0-9.]+)% (?:or less|in granikv's)", text)]
+        said += [(d.name, x) for x in re.findall(r"`dispatch_overhead_share`[^|]*\| [^|]* \| ([0-9.]+) \|", text)]
+    assert {n for n, _ in said} >= {"README.md", "findings.md", "claim_details.md"}, said
+    assert all(x == share for _, x in said), (share, said)

@@ -8,7 +8,6 @@ import pandas as pd
 from analysis.common import NOT_MEASURED, PAPER_HARDWARE
 from analysis.load import Results
 from analysis.paper import paper_shown
-from analysis.report.explain import explain
 from analysis.verdict.rule import CLOSE, INCONCLUSIVE, VERDICTS
 
 
@@ -87,9 +86,10 @@ def tally(ev: pd.DataFrame) -> str:
     return ", ".join(f"{int(counts.get(v, 0))} {v}" for v in VERDICTS)
 
 
-def claim_section(res: Results, ev: pd.DataFrame, c: pd.Series, cache: dict) -> list[str]:
-    """The REPORT's section of one claim: the claim, both numbers, repetitions and interval, the verdict
-    with its margin, and the explanations measured for it (nothing written for another claim)."""
+def claim_section(c: pd.Series, why: list[str]) -> list[str]:
+    """One claim in full (tables/claim_details.md): the claim, both numbers, repetitions and interval, the
+    verdict with its margin, and ``why``, the explanations measured for it (:func:`explain`: nothing written for
+    another claim)."""
     L = ["", f"### `{anchor(c)}`", "", f"**{c['verdict']}**. {c['claim']} ({c['section']})", "",
          f"- Paper: {paper_shown(c)} on {PAPER_HARDWARE}. Ours: "
          + (f"{c['ours_shown']} on {c['our_hardware'] or '?'} (from {c['source']})." if c["verdict"] != NOT_MEASURED
@@ -110,5 +110,54 @@ def claim_section(res: Results, ev: pd.DataFrame, c: pd.Series, cache: dict) -> 
         v.append(f"Deciding cells: {c['decider']}.")
     if v:
         L.append("- " + " ".join(v))
-    L += [f"- {x}" for x in explain(res, ev, c, cache)]
+    L += [f"- {x}" for x in why]
     return L
+
+
+NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:[.,]\d+)*")
+EXPLAINED = 3        # numbers of explanation a claim's REPORT section carries; the rest is in tables/claim_details
+
+
+def gist(text: str, budget: int = EXPLAINED) -> str:
+    """An explanation cut to ``budget`` numbers: its framing ("Ours is short of ... by more than 10%.", "Why it
+    differs from the paper:") and then its sentences in order, each kept whole if its numbers still fit; where
+    none fits, the tables it was measured in."""
+    framing, rest = "", text
+    if rest.startswith("Why it differs from the paper: "):
+        framing, rest = "Why it differs: ", rest[len("Why it differs from the paper: "):]
+    elif rest.startswith("Ours is ") and ". " in rest:
+        head, rest = rest.split(". ", 1)
+        framing = head.split(" by more than")[0] + ": "
+    kept = []
+    for sentence in re.split(r"(?<=[.)])\s+(?=[A-Z])", rest):
+        n = len(NUMBER.findall(sentence))
+        if kept and n > budget:           # what follows the kept sentences leans on them: no skipping past
+            break
+        if n <= budget and (kept or n):   # the first kept sentence carries a number of its own
+            kept.append(sentence)
+            budget -= n
+    if not kept:
+        tables = list(dict.fromkeys(re.findall(r"tables/\w+", rest)))
+        kept = [f"measured in {', '.join(tables)}." if tables else "see the claim in full."]
+    return framing + " ".join(kept)
+
+
+def claim_brief(c: pd.Series, why: list[str], folders: list[str]) -> list[str]:
+    """The REPORT's short section of one claim: both numbers, the interval, the margin, the deciding cells with
+    their results/raw folders, and at most EXPLAINED numbers of ``why`` (:func:`explain`); the claim in full is in
+    tables/claim_details.md, its rerun command in tables/rerun.md."""
+    more = f"[in full](tables/claim_details.md#{c['id']}), [rerun](tables/rerun.md#{c['id']})"
+    head = ["", f"### `{anchor(c)}`", ""]
+    if c["verdict"] == NOT_MEASURED:
+        return head + [f"**{NOT_MEASURED}**: {c['why']} ({more})."]
+    n = int(c["n"] or 0)
+    kind = spread_kind(c)
+    iv = f"interval {c['spread_shown']} ({kind}{f', n = {n}' if n else ''})" if kind else \
+        f"no interval ({f'n = {n}, ' if n else ''}{c['spread_from'] or 'none'})"
+    ours = str(c["ours_shown"]) if len(str(c["ours_shown"])) <= 100 else ours_compact(c)
+    text = (f"**{c['verdict']}**: paper {paper_shown(c)}, ours {ours} ({c['our_hardware'] or '?'}); {iv}"
+            + (f"; spans {c['between']}" if c["verdict"] == INCONCLUSIVE else "")
+            + (f"; margin {c['margin_shown']}" if c.get("margin_shown") else "") + ".")
+    where = ", ".join(f"`{f}/`" for f in folders[:3]) + (f" and {len(folders) - 3} more" if len(folders) > 3 else "")
+    cells = f"Deciding cells: {c['decider'] or 'every cell of the claim'}" + (f", in {where}" if where else "")
+    return head + [text, "", f"- {cells}; from {c['source']}.", *[f"- {gist(x)}" for x in why], f"- More: {more}."]

@@ -15,8 +15,11 @@ Time: the GPU time the experiment's finished cells recorded here (metrics ``warm
 are not recorded and come on top); a planned cell not measured yet counts the mean of the measured ones
 (``time_note`` says how many). Disk: the bytes of its cells' folders under results/raw.
 
-Writes tables/claim_map.{csv,md} (one row per claim and experiment) and tables/experiments.{csv,md}
-(one row per experiment, with the claims it feeds).
+Writes tables/claim_map.{csv,md} (one row per claim and experiment), tables/experiments.{csv,md}
+(one row per experiment, with the claims it feeds), tables/gpu_hours.{csv,md} (the campaign's recorded time
+by GPU count, the README's line) and tables/rerun.{csv,md} (per claim, the command that reruns its deciding
+cells alone: the experiment's command with its sweep axes narrowed to those cells' values; one heading per
+claim in the markdown, so that a link can name the claim).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import pandas as pd
 from analysis.clean import all_cells
 from analysis.common import norm_value, parse_selectors, select, with_derived, write_table
 from analysis.load import Results
+from analysis.paper import deciding_folders, deciding_selections
 from analysis.registry import register_exhibit
 from analysis.verdict.context import Context
 from analysis.verdict.evaluate import evaluate, load_claims
@@ -36,7 +40,7 @@ from runners.campaign import expand, load_campaign
 
 
 NAME = "claim_map"
-TABLES = (NAME, "experiments")
+TABLES = (NAME, "experiments", "gpu_hours", "rerun")
 FIGURES: tuple[str, ...] = ()
 FRAME_SWEEPS = {"steps": ("dispatch_overhead",)}   # frame -> the sweep presets made for it
 
@@ -47,7 +51,8 @@ def planned_frame(items) -> pd.DataFrame:
     rows = []
     for it in items:
         for c in expand(it):
-            rows.append({**c.settings, "item": it.id, "sweep": c.sweep_name, "kind": "serving", "_identity": c.identity})
+            rows.append({**c.settings, "item": it.id, "sweep": c.sweep_name, "kind": "serving", "_identity": c.identity,
+                         "_overrides": c.overrides})
     return with_derived(pd.DataFrame(rows)) if rows else pd.DataFrame()
 
 
@@ -197,13 +202,107 @@ def bench_row(res: Results, ctx, sweep: str) -> dict:
             "disk_mb": _bytes(res.root, paths) / 1e6 if paths else np.nan, "raw": f"results/raw/{sweep}/"}
 
 
+def merged_overrides(cells: pd.DataFrame) -> list[str] | None:
+    """The planned ``cells``' overrides as one multirun: each key with the values its cells take, in plan
+    order (their product may hold more cells than ``cells``); None where a list value would have to be
+    joined (the experiment's own command then)."""
+    values: dict[str, list[str]] = {}
+    for ov in cells["_overrides"]:
+        for o in ov:
+            k, v = o.split("=", 1)
+            if k != "sweep" and v not in values.setdefault(k, []):
+                values[k].append(v)
+    if any(len(v) > 1 and any(ch in x for x in v for ch in ",[]") for v in values.values()):
+        return None
+    return [f"{k}={','.join(sorted(v, key=int) if all(x.isdigit() for x in v) else v)}" for k, v in values.items()]
+
+
+def rerun_rows(res: Results, claims: pd.DataFrame, ev: pd.DataFrame, items, planned: pd.DataFrame, ctx,
+               exp: dict, names: dict[str, list[str]]) -> list[dict]:
+    """Per claim and experiment that holds its deciding cells: the command that reruns those cells alone."""
+    by_id = {it.id: it for it in items}
+    cells = all_cells(res)
+    keys = sorted({k for d in planned["_identity"] for k in d}) if not planned.empty else []
+    finished = _Finished(cells[[c for c in ["sweep", "path", *keys] if c in cells.columns]] if not cells.empty
+                         else cells, keys)
+    rows = []
+    for _, c in claims.iterrows():
+        c = pd.Series({**c.to_dict(), "decider": ev.loc[c["id"], "decider"]})
+        frame = ctx.frame(c["frame"])
+        folders = deciding_folders(frame, c)
+        used = set(pd.concat([select(frame, s) for s in deciding_selections(c)]).get("path", [])) \
+            if not frame.empty else set()
+        inst = "=True" if c["frame"] == "trace" else "=False"
+        mine = names.get(c["id"], [])
+        sweeps_of = {n: sorted(set(planned.loc[planned["item"] == n, "sweep"])) if n in by_id else [n] for n in mine}
+        holding = [n for n in mine if set(sweeps_of[n]) & set(folders)]
+        narrowed, whole = [], []        # rows of the deciding cells alone; of a whole experiment where none plans them
+        for n in holding or mine:        # the experiments holding the deciding cells, else every one of the claim
+            row = {"claim": c["id"], "verdict": ev.loc[c["id"], "verdict"], "experiment": n, "gpus": exp[n]["gpus"],
+                   "cells": int(exp[n]["cells"]), "deciding": c["decider"] or "every cell of the claim's selection",
+                   "raw": ", ".join(f"results/raw/{f}/" for f in folders if f in sweeps_of[n]) or exp[n]["raw"],
+                   "command": exp[n]["command"]}
+            if n not in by_id:
+                narrowed.append(row)
+                continue
+            plan = planned[planned["item"] == n]
+            near = pd.concat([_select_known(plan, {**s, "instrumented": inst}) for s in deciding_selections(c)])
+            keep = [any(p in used for p in finished.matching(r["sweep"], r["_identity"]).get("path", []))
+                    for _, r in near.iterrows()]
+            near = near[keep] if any(keep) else near
+            if near.empty:
+                whole.append(row)
+                continue
+            ov = merged_overrides(near)
+            narrowed.append({**row, "cells": len(near),
+                             "command": by_id[n].local_command(ov) if ov is not None else row["command"]})
+        rows += narrowed or whole or [{"claim": c["id"], "verdict": ev.loc[c["id"], "verdict"], "experiment": "none",
+                                       "gpus": 0, "cells": 0, "deciding": c["decider"] or "-", "raw": "", "command": ""}]
+    return rows
+
+
+def write_rerun(rr: pd.DataFrame, out: Path) -> None:
+    """tables/rerun.csv, and tables/rerun.md with one heading per claim (a link can name the claim)."""
+    write_table(rr, "rerun", out)
+    L = ["# Rerun one claim", "",
+         "Per claim, the command that reruns its deciding cells alone, on GPUs of one host (`pip install -e "
+         "'.[gpu]'`); then `python -m analysis.reproduce` re-reads them. A sweep skips cells whose folder holds "
+         "`metrics.json`: add `force=true` to measure again over committed ones. deciding: the configuration(s) the "
+         "verdict turns on (with its baseline); cells: the planned cells the command runs.", ""]
+    for cid, g in rr.groupby("claim", sort=False):
+        L += [f"## {cid}", "", f"**{g['verdict'].iloc[0]}**; deciding: {g['deciding'].iloc[0]}.", ""]
+        if (g["experiment"] == "none").all():
+            L += ["No experiment of the campaign or bench folder measures it.", ""]
+        for _, r in g[g["experiment"] != "none"].iterrows():
+            L += [f"- `{r['experiment']}` ({r['gpus']} GPU{'s' if int(r['gpus']) > 1 else ''}, {r['cells']} "
+                  f"cell{'s' if int(r['cells']) != 1 else ''}, into {r['raw']}):", "", "  ```", f"  {r['command']}", "  ```", ""]
+    (Path(out) / "tables" / "rerun.md").write_text("\n".join(L))
+
+
+def gpu_hours(ex: pd.DataFrame) -> pd.DataFrame:
+    """The campaign's recorded time by GPU count: hours of a host with that many GPUs, and GPU-hours."""
+    t = ex.assign(h=pd.to_numeric(ex["gpu_time_min"], errors="coerce") / 60)
+    g = t.groupby("gpus", sort=True).agg(experiments=("experiment", "size"), unrecorded=("h", lambda x: int(x.isna().sum())),
+                                         hours=("h", "sum"))
+    g = g.reset_index()
+    return g.assign(gpu_hours=g["hours"] * g["gpus"])[["gpus", "experiments", "unrecorded", "hours", "gpu_hours"]]
+
+
+def gpu_hours_line(g: pd.DataFrame) -> str:
+    """The README's line: ``GPU-hours by GPU count: 1 GPU: x h, 2 GPUs: y h, 4 GPUs: z h; in all: t h``."""
+    return "GPU-hours by GPU count: " + ", ".join(
+        f"{int(r['gpus'])} GPU{'s' if int(r['gpus']) > 1 else ''}: {r['gpu_hours']:.1f} h" for _, r in g.iterrows()) \
+        + f"; in all: {g['gpu_hours'].sum():.1f} h"
+
+
 def _int(v):
     return int(v) if isinstance(v, (float, np.floating)) and float(v).is_integer() else v
 
 
 def tables(res: Results, ev: pd.DataFrame | None = None, claims: pd.DataFrame | None = None,
-           campaign=None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(claim_map: one row per claim and experiment, experiments: one row per experiment). ``ev``: the
+           campaign=None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(claim_map: one row per claim and experiment, experiments: one row per experiment, rerun: per claim, the
+    command of its deciding cells, :func:`rerun_rows`). ``ev``: the
     claims' evaluation (:func:`analysis.claims.evaluate`) when the caller has it already."""
     claims = load_claims() if claims is None else claims
     items = load_campaign() if campaign is None else campaign
@@ -234,13 +333,17 @@ def tables(res: Results, ev: pd.DataFrame | None = None, claims: pd.DataFrame | 
     ex = pd.DataFrame([{**r, "claims": ", ".join(feeds.get(r["experiment"], []))} for r in exp.values()],
                       columns=["experiment", "what", "gpus", "cells", "measured", "gpu_time_min", "time_note", "disk_mb",
                                "command", "raw", "claims"])
-    return cm, ex
+    rr = pd.DataFrame(rerun_rows(res, claims, ev, items, planned, ctx, exp,
+                                 {k: [n for n in cm.loc[cm["claim"] == k, "experiment"] if n != "none"]
+                                  for k in claims["id"]}),
+                      columns=["claim", "verdict", "experiment", "gpus", "cells", "deciding", "raw", "command"])
+    return cm, ex, rr
 
 
 @register_exhibit(NAME, figures=FIGURES, tables=TABLES, kind="claims")
 def build(res: Results, out: Path, figures: bool = True, ev: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Write tables/claim_map and tables/experiments; return the claim map."""
-    cm, ex = tables(res, ev)
+    """Write tables/claim_map, tables/experiments, tables/gpu_hours and tables/rerun; return the claim map."""
+    cm, ex, rr = tables(res, ev)
     digits = {"gpu_time_min": 1, "disk_mb": 1}
     write_table(cm, NAME, out, digits, title="Claim map: claim -> experiment -> command -> GPUs -> time -> output",
                 note="One row per claim and experiment that measures it (tables/experiments.md: the same per experiment). "
@@ -254,4 +357,10 @@ def build(res: Results, out: Path, figures: bool = True, ev: pd.DataFrame | None
                      "cells and those with a finished cell in results/raw. gpu_time_min: recorded warm-up + measured "
                      "run, summed (cells not measured yet counted at the mean of the others); disk_mb: the size of "
                      "its cells' folders. claims: the claims of results/paper/claims.csv it feeds.")
+    g = gpu_hours(ex)
+    write_table(g, "gpu_hours", out, {"hours": 1, "gpu_hours": 1}, title="The campaign's GPU time by GPU count",
+                note=f"{gpu_hours_line(g)}. hours: recorded warm-up + measured run of every experiment on a host with "
+                     "that many GPUs (tables/experiments.md; process start-up comes on top); gpu_hours: hours x GPUs; "
+                     "unrecorded: experiments whose bench records no time (counted as 0).")
+    write_rerun(rr, out)
     return cm
