@@ -36,6 +36,7 @@ from granikv.attention import flashinfer_ops as fo
 from granikv.attention import reference as R
 from granikv.attention.bench import Shape, capture_graph, sync, time_fn
 from granikv.attention.hot_batch import HotBatch, HotGroup, plan_hot_batch
+from granikv.config import HardwareConfig
 
 TOOL = "hot_batch_bench"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -104,8 +105,6 @@ def resolve(cfg: Any) -> HotBatchSpec:
     merged["cases"] = [Case(**x) for x in merged["cases"]]
     spec = HotBatchSpec(hardware=hw["name"], **merged)
     if spec.device == "cuda":
-        from granikv.config import HardwareConfig
-
         HardwareConfig(**{k: v for k, v in hw.items() if k in HardwareConfig.__dataclass_fields__}).check_gpu(
             torch.cuda.get_device_name(0))
     return spec
