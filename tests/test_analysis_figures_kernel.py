@@ -49,3 +49,15 @@ def test_every_backend_falls_in_one_of_five_families():
     fams = {kernel.family(b) for b in BACKENDS + ("dense_s16", "paged_unique_decode", "gate_up", "new_kernel")}
     assert len(fams) == 5 and kernel.family("paged_unique_decode") == "paged"
     assert kernel.family("contiguous_dense_split") == "dense" and kernel.family("hydragen") == "cascade, hydragen"
+
+
+def test_rows_without_a_gpu_name_still_draw_their_layout_panel(tmp_path, monkeypatch):
+    """CPU runs carry no provenance.gpu_name (tests/test_analysis_runs.py's runner output)."""
+    rows = [{k: v for k, v in r.items() if k != "provenance.gpu_name"} for r in _rows(H200, 800.0, 4.2)]
+    rows += [{"cell.kind": "layout", "cell.shape.name": "llama3_8b", "cell.prefix_len": 2048, "cell.batch": 256,
+              "k.backend": b, "time_us_mean": v} for b, v in (("contiguous_dense", 1.0), ("paged_unique_decode", 9.0))]
+    caught = catch(monkeypatch, kernel)
+    kernel.roofline(pd.DataFrame(rows), [], tmp_path)
+    fig = caught.figs["kernel_roofline"]
+    assert fig.axes[0].get_title().startswith("GPU ?") and "GPU ?" in fig.axes[1].get_title()
+    check_all(fig)

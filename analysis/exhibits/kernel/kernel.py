@@ -101,6 +101,7 @@ def roofline(t: pd.DataFrame, keys: list[str], out: Path) -> None:
     lay = t[(t.get("cell.kind") == "layout")] if "cell.kind" in t.columns else t.iloc[0:0]
     rows = []
     if not lay.empty:
+        lay = lay.assign(**{gcol: lay[gcol].fillna("GPU ?") if gcol in lay.columns else "GPU ?"})
         for (gpu, shape, lp), g in lay.groupby([gcol, "cell.shape.name", "cell.prefix_len"], sort=True):
             tm = g.set_index("k.backend")["time_us_mean"]
             if "contiguous_dense" not in tm.index:
