@@ -572,6 +572,7 @@ def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], e
     trace = getattr(engine, "trace", None)            # a server cell: SGLang's own trace (profile_steps > 0)
     if trace is not None:
         shutil.copyfile(trace, cell / "trace.json.gz")
+        shutil.rmtree(trace.parent, ignore_errors=True)   # the server's output folder (a temp folder of its own)
     rawio.write_jsonl(cell / "requests.jsonl", _request_rows(requests, result.records), compress=True)
     rawio.write_jsonl(cell / "steps.jsonl", result.steps, compress=True)
     m = metrics_mod.summarize(result.records, result.steps, result.stats)

@@ -101,7 +101,8 @@ def make_handler(st: State):
                 path = os.path.join(req.get("output_dir") or "/tmp", f"{req.get('profile_id', 'x')}-TP-0.trace.json.gz")
                 with st.lock:
                     st.profile = (path, int(req.get("num_steps") or 5))
-                st.event(kind="start_profile", num_steps=st.profile[1], activities=req.get("activities"))
+                st.event(kind="start_profile", num_steps=st.profile[1], activities=req.get("activities"),
+                         output_dir=req.get("output_dir"))
                 log("Profiling starts.")
                 self._send(200, b"Start profiling.\n")
                 return

@@ -16,6 +16,7 @@ measured replay (granikv.serving.profile): ``trace`` names the file, ``stats['se
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -105,6 +106,8 @@ class ServerEngine:
         rep = self._replay(client, requests, "measured replay")
         wall = time.perf_counter() - t0
         self.trace = profile.finish() if profile is not None else None
+        if profile is not None and self.trace is None:
+            shutil.rmtree(profile.out_dir, ignore_errors=True)
         time.sleep(0.2)                       # the last batch lines reach the (unbuffered) log
         plugin = stats_delta(before, self.plugin_stats(wait_newer_than=before)) if sc.uses_plugin else None
         steps = parse_steps(srv.log_lines(start, srv.log_size()), sc.decode_log_interval)
