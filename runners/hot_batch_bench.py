@@ -22,7 +22,6 @@ failure.json and the sweep goes on.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -34,7 +33,7 @@ import torch
 from granikv import rawio
 from granikv.attention import flashinfer_ops as fo
 from granikv.attention import reference as R
-from granikv.attention.bench import Shape, capture_graph, sync, time_fn
+from granikv.attention.bench import Shape, capture_graph, plan_host_time, time_fn
 from granikv.attention.hot_batch import HotBatch, HotGroup, plan_hot_batch
 from granikv.config import HardwareConfig
 
@@ -123,18 +122,6 @@ def layout(case: Case, gap: int, align: int) -> list[HotGroup]:
     return out
 
 
-def host_us(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    """Median wall time (us) of ``fn()`` on the host, the device idle before each call."""
-    times = []
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    sync(device)
-    return statistics.median(times)
-
-
 def rel_err(states: list[tuple[torch.Tensor, torch.Tensor]], refs: list[torch.Tensor]) -> float:
     num = sum(float((o.float() - r).norm()) ** 2 for (o, _), r in zip(states, refs))
     den = sum(float(r.norm()) ** 2 for r in refs)
@@ -181,11 +168,11 @@ def bench_case(spec: HotBatchSpec, case: Case, dev: torch.device) -> list[dict]:
         try:
             if plan is not None:
                 plan()
-                row["plan_us"] = host_us(plan, dev, spec.reps)
+                row["plan_us"] = plan_host_time(plan, dev, reps=spec.reps, warmup=0)["plan_us"]
             row["rel_err"] = rel_err(fn(), refs)
             row.update({f"{key}_eager" if key.startswith("time_ms") else key: val
                         for key, val in time_fn(fn, dev, spec.warmup, spec.reps, spec.l2_flush).items()})
-            row["host_us"] = host_us(fn, dev, spec.reps)
+            row["host_us"] = plan_host_time(fn, dev, reps=spec.reps, warmup=0)["plan_us"]   # launches, device idle
             if spec.cuda_graph and dev.type == "cuda":
                 g, _ = capture_graph(fn)
                 row.update(time_fn(g.replay, dev, spec.warmup, spec.reps, spec.l2_flush))
