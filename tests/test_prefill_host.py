@@ -119,7 +119,7 @@ def test_report_line_uses_gpu_rows_of_the_claims_model_only(out, tmp_path):
 
     from analysis.report.steps import prefill_host_line
 
-    res = type("R", (), {"root": out})()
+    res = type("R", (), {"root": out, "ignored": []})()
     claim = pd.Series({"model": "tiny", "tp": "2"})
     assert prefill_host_line(res, claim, {}) == ""                     # CPU rows only
     gpu = tmp_path / "raw"
@@ -128,12 +128,12 @@ def test_report_line_uses_gpu_rows_of_the_claims_model_only(out, tmp_path):
         d["provenance"]["gpu_name"] = "NVIDIA H200"
         (gpu / f"tiny_tp{tp}").mkdir(parents=True)
         (gpu / f"tiny_tp{tp}" / "prefill_host.json").write_text(json.dumps(d))
-    line = prefill_host_line(type("R", (), {"root": gpu})(), claim, {})
+    line = prefill_host_line(type("R", (), {"root": gpu, "ignored": []})(), claim, {})
     t = prefill.load(gpu)
     two = t[t["tp"] == 2]
     assert line.startswith("Prefill steps measured alone") and "at TP=2 a step takes" in line
     assert f"{two['step_ms'].min():.1f}-{two['step_ms'].max():.1f} ms" in line
-    assert prefill_host_line(type("R", (), {"root": gpu})(), pd.Series({"model": "other", "tp": "2"}), {}) == ""
+    assert prefill_host_line(type("R", (), {"root": gpu, "ignored": []})(), pd.Series({"model": "other", "tp": "2"}), {}) == ""
 
 
 def test_host_profile_per_rank_and_its_table(out, tmp_path):
