@@ -19,7 +19,7 @@ from analysis.registry import register_exhibit
 
 NAME = "hot_batch"
 COLS = ["gpu", "case", "prefix_lens", "batch", "per_group_us", "per_group_host_us", "best", "best_us", "ratio",
-        "best_plan_us", "best_host_us", "fa3_f1_us", "max_rel_err", "sweep"]
+        "best_plan_us", "best_host_us", "fa3_f1_us", "max_rel_err", "sweep", "status"]
 
 
 def frame(res: Results) -> pd.DataFrame:
@@ -46,7 +46,7 @@ def frame(res: Results) -> pd.DataFrame:
                      "ratio": best["k.time_ms"] / b["k.time_ms"], "best_plan_us": best["k.plan_us"],
                      "best_host_us": best["k.host_us"],
                      "fa3_f1_us": 1e3 * f1["k.time_ms"].iloc[0] if not f1.empty else float("nan"),
-                     "max_rel_err": ok["k.rel_err"].max(), "sweep": sweep})
+                     "max_rel_err": ok["k.rel_err"].max(), "sweep": sweep, "status": "measured"})
     return pd.DataFrame(rows, columns=COLS)
 
 
@@ -55,8 +55,8 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     """Write tables/hot_batch.{csv,md}; return the table."""
     t = frame(res)
     if t.empty:
-        t = pd.DataFrame([{"case": "(none)", "sweep": f"{NOT_MEASURED}: no hot_batch cell (run python -m "
-                                                      "runners.hot_batch_bench hardware=<gpu preset>)"}], columns=COLS)
+        t = pd.DataFrame([{"case": "(none)", "status": f"{NOT_MEASURED}: no hot_batch cell (run python -m "
+                                                       "runners.hot_batch_bench hardware=<gpu preset>)"}], columns=COLS)
     write_table(t, NAME, out, {"per_group_us": 1, "per_group_host_us": 0, "best_us": 1, "ratio": 2, "best_plan_us": 0,
                                "best_host_us": 0, "fa3_f1_us": 1, "max_rel_err": 4},
                 title="The dense prefix path as one batched launch over every HOT group, against per-group calls",
