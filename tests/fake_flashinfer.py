@@ -120,6 +120,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_Paged):
     def run(self, q, paged_kv_cache, *, return_lse=False, **kw):
         k, v = _kv(paged_kv_cache)
         qo, indptr, indices = self._get()
+        n = int(qo[-1])
+        if self.graph and q.shape[0] > n:      # graph mode: rows past the plan's come back unwritten (NaN here)
+            o, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:2], float("nan"), dtype=torch.float32)
+            if n:
+                o[:n], lse[:n] = R.prefill_ref(q[:n], k, v, qo, indptr, indices, self.causal, self.sm_scale)
+            return (o, lse) if return_lse else o
         o, lse = R.prefill_ref(q, k, v, qo, indptr, indices, self.causal, self.sm_scale)
         return (o, lse) if return_lse else o
 
@@ -151,7 +157,9 @@ class MultiLevelCascadeAttentionWrapper:
 
 class BatchPrefillWithRaggedKVCacheWrapper:
     """Ragged prefill: segment i's queries q[qo[i]:qo[i+1]] attend keys k[kv[i]:kv[i+1]] (non-causal here).
-    In graph mode the batch size is fixed by the indptr buffers, plan() writes them, run() reads only them."""
+    In graph mode the batch size is fixed by the indptr buffers, plan() writes them, run() reads only them;
+    as in FlashInfer the first plan fixes the most query rows a later plan may cover, and q may hold more
+    rows than the plan covers: those come back as NaN (FlashInfer leaves them unwritten)."""
 
     def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
                  kv_indptr_buf=None, backend="auto"):
@@ -159,6 +167,7 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         if use_cuda_graph:
             assert qo_indptr_buf is not None and kv_indptr_buf is not None and qo_indptr_buf.numel() == kv_indptr_buf.numel()
         self.graph, self.qo_buf, self.kv_buf, self.state = use_cuda_graph, qo_indptr_buf, kv_indptr_buf, None
+        self.max_rows = None
 
     def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None, causal=False,
              sm_scale=None, q_data_type=None, kv_data_type=None, **kw):
@@ -168,6 +177,9 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         assert int(qo_indptr[0]) == 0 and int(kv_indptr[0]) == 0
         if self.graph:
             assert qo_indptr.numel() == self.qo_buf.numel(), "cudagraph mode: batch size is fixed"
+            if self.max_rows is None:
+                self.max_rows = int(qo_indptr[-1])
+            assert int(qo_indptr[-1]) <= self.max_rows, "cudagraph mode: more rows than the first plan's"
             self.qo_buf.copy_(qo_indptr)
             self.kv_buf.copy_(kv_indptr)
         else:
@@ -176,10 +188,13 @@ class BatchPrefillWithRaggedKVCacheWrapper:
 
     def run(self, q, k, v, return_lse=False, **kw):
         qo, kv = (self.qo_buf, self.kv_buf) if self.graph else self.state
-        assert q.shape[0] == int(qo[-1]) and k.shape[0] == int(kv[-1]) == v.shape[0], "q / k rows must match the indptrs"
+        rows_ok = q.shape[0] >= int(qo[-1]) if self.graph else q.shape[0] == int(qo[-1])
+        assert rows_ok and k.shape[0] == int(kv[-1]) == v.shape[0], "q / k rows must match the indptrs"
         assert (q.shape[1], k.shape[1]) == self.heads
-        o = torch.zeros_like(q)
-        lse = torch.full(q.shape[:2], -float("inf"), dtype=torch.float32)
+        o = torch.full_like(q, float("nan"))
+        o[:int(qo[-1])] = 0
+        lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32)
+        lse[:int(qo[-1])] = -float("inf")
         for i in range(qo.numel() - 1):
             a, b, c, d = int(qo[i]), int(qo[i + 1]), int(kv[i]), int(kv[i + 1])
             if b > a and d > c:

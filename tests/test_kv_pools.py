@@ -22,6 +22,35 @@ def test_hot_first_fit_and_coalesce():
     assert pool.free_extents() == [(0, 100)] and pool.free_tokens == 100
 
 
+def test_hot_aligned_slabs_start_on_multiples_and_leave_the_skipped_slots_free():
+    pool = HotPool(40, offset=1, align=8)                  # slots 1..40, as a plugin region after SGLang's slot 0
+    a = pool.alloc(5)
+    assert a.start == 8                                   # slots 1..7 skipped, still free
+    assert pool.free_extents() == [(1, 7), (13, 28)]
+    b = pool.alloc(7)                                     # 1..7 holds 7 slots but from no aligned start
+    assert b.start == 16 and not pool.fits(18) and pool.fits(17)
+    assert pool.alloc(18) is None and pool.eviction_window(18, {}) is None
+    pool.free(a)
+    pool.free(b)
+    assert pool.free_extents() == [(1, 40)] and pool.free_tokens == 40
+
+
+def test_hot_aligned_eviction_window_asks_room_for_an_aligned_start():
+    pool = HotPool(32, offset=0, align=8)
+    s = [pool.alloc(8) for _ in range(4)]                 # 0, 8, 16, 24: full
+    assert [x.start for x in s] == [0, 8, 16, 24]
+    # one slab alone would do at align 1; aligned, 16 slots need room 23: three slabs
+    window = pool.eviction_window(16, {x.start: (i, 8) for i, x in enumerate(s)})
+    assert window == [0, 8, 16]
+    assert HotPool(32, align=1).eviction_window(8, {}) == []
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0])
+def test_hot_pool_rejects_a_bad_align(bad):
+    with pytest.raises(ValueError, match="align must be an int >= 1"):
+        HotPool(10, align=bad)
+
+
 @pytest.mark.parametrize("bad", [0, -1, 2.0, None])
 def test_hot_alloc_rejects_bad_size(bad):
     with pytest.raises(ValueError, match="positive int"):

@@ -14,7 +14,10 @@ FlashInfer ragged batch prefill over the HOT region that holds the slabs:
   ``c * Hq + j`` is query head ``j``, and one ``merge_states`` folds the ``fold`` partial states. This
   needs ``region_start`` and every slab's start and length divisible by ``fold`` (HOT slabs aligned to it);
 - a plan for ``max_segments`` segments pads with empty segments, so a wrapper captured in a CUDA graph
-  (whose batch size is fixed at its first plan) is re-planned for any group count up to that size.
+  (whose batch size is fixed at its first plan) is re-planned for any group count up to that size;
+- ``lead_rows``: query rows before the groups' run (rows another launch serves) form a first segment
+  over the region's first folded key, a dummy no slab may hold; their outputs are left unused. A
+  captured launch then reads every row of a fixed query tensor, wherever its groups' rows begin.
 
 ``plan_hot_batch`` is pure host arithmetic (tested on CPU). ``HotBatch`` plans once per step and runs per
 layer, as FlashInfer's cascade wrappers do.
@@ -62,11 +65,12 @@ class HotBatchPlan:
 
 
 def plan_hot_batch(groups: Sequence[HotGroup], fold: int = 1, max_segments: Optional[int] = None,
-                   region: Optional[tuple[int, int]] = None) -> HotBatchPlan:
+                   region: Optional[tuple[int, int]] = None, lead_rows: int = 0) -> HotBatchPlan:
     """The ragged segments of ``groups`` (any order; sorted by address here), gaps as empty segments,
     padded with empty segments to ``max_segments`` when given. ``region`` (start, length): a fixed region
     holding every slab (a captured launch bakes the region's address in), else the span of the slabs.
-    Raises ValueError naming the field."""
+    ``lead_rows``: rows before the groups' run, served by the dummy first segment (module doc; needs
+    ``region``, and the groups' rows then start at ``lead_rows``). Raises ValueError naming the field."""
     if fold < 1 or fold & (fold - 1):
         raise ValueError(f"hot_batch.fold: must be a power of two >= 1, got {fold}")
     gs = sorted(groups, key=lambda g: g.hot_start)
@@ -82,14 +86,22 @@ def plan_hot_batch(groups: Sequence[HotGroup], fold: int = 1, max_segments: Opti
         if b.row_start != a.row_start + a.rows:
             raise ValueError("hot_batch.groups: the groups' rows must be one run of the batch in slab address order "
                              f"({a} then {b}); order decode rows by slab address")
+    if lead_rows < 0 or (lead_rows and region is None):
+        raise ValueError(f"hot_batch.lead_rows: must be >= 0, and > 0 only with a fixed region, got {lead_rows}")
+    if lead_rows and gs and (gs[0].row_start != lead_rows or gs[0].hot_start < region[0] + fold):
+        raise ValueError(f"hot_batch.lead_rows: the groups' rows must start at row {lead_rows}, and no slab may hold "
+                         f"the region's first {fold} keys (the lead rows' dummy), got {gs[0]}")
     qo, kv = [0], [0]
+    if lead_rows:                                   # the lead rows' segment: one folded dummy key
+        qo.append(lead_rows)
+        kv.append(1)
     base = region[0] if region is not None else (gs[0].hot_start if gs else 0)
     stop = region[0] + region[1] if region is not None else (gs[-1].hot_start + gs[-1].prefix_len if gs else 0)
     if base % fold or stop % fold:
         raise ValueError(f"hot_batch.region: [{base}, {stop}) is not aligned to fold={fold}")
     if gs and (gs[0].hot_start < base or gs[-1].hot_start + gs[-1].prefix_len > stop):
         raise ValueError(f"hot_batch.region: [{base}, {stop}) does not hold every slab")
-    end = base
+    end = base + fold * (1 if lead_rows else 0)
     for g in gs:
         if g.hot_start > end:                       # a gap: keys no query of this launch reads
             qo.append(qo[-1])
@@ -107,15 +119,17 @@ def plan_hot_batch(groups: Sequence[HotGroup], fold: int = 1, max_segments: Opti
                              f"launch holds {max_segments}; capture with more segments")
         qo += [qo[-1]] * (max_segments - n)
         kv += [kv[-1]] * (max_segments - n)
-    return HotBatchPlan(fold, base, stop - base, gs[0].row_start if gs else 0, sum(g.rows for g in gs),
-                        tuple(qo), tuple(kv))
+    return HotBatchPlan(fold, base, stop - base, 0 if lead_rows else (gs[0].row_start if gs else 0),
+                        lead_rows + sum(g.rows for g in gs), tuple(qo), tuple(kv))
 
 
 class HotBatch:
     """One ragged FlashInfer prefill for every dense group of a step (module doc).
 
     graph: the wrapper's indptr buffers are fixed (``max_segments + 1`` int32 each) and ``plan`` writes
-    them in place, so a captured ``run`` replays any later plan of the same segment count.
+    them in place, so a captured ``run`` replays any later plan of the same segment count. A graph-mode
+    ``run`` reads every row of ``q`` (the plan's rows are its first rows; the rest come back unset): the
+    first plan, before capture, must cover every row (FlashInfer sizes a captured launch's work on it).
     """
 
     def __init__(self, ws: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -143,13 +157,14 @@ class HotBatch:
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, Hq, D], k_cache / v_cache [C, Hkv, D] -> prefix state of the groups' rows:
-        (o [rows, Hq, D], lse [rows, Hq] fp32, base 2)."""
+        (o [rows, Hq, D], lse [rows, Hq] fp32, base 2); graph mode: of every row of q (class doc)."""
         p = self.plan_
         n = p.fold
-        qs = q[p.row_start:p.row_start + p.rows]
+        qs = q if self.max_segments is not None else q[p.row_start:p.row_start + p.rows]
+        rows = qs.shape[0]
         kr = k_cache[p.region_start:p.region_start + p.region_len].view(p.region_len // n, n * self.hkv, self.d)
         vr = v_cache[p.region_start:p.region_start + p.region_len].view(p.region_len // n, n * self.hkv, self.d)
         o, s = self.wrapper.run(qs.repeat(1, n, 1) if n > 1 else qs, kr, vr, return_lse=True)
         if n == 1:
             return o, s
-        return fo.fi().merge_states(o.view(p.rows, n, self.hq, self.d), s.view(p.rows, n, self.hq))
+        return fo.fi().merge_states(o.view(rows, n, self.hq, self.d), s.view(rows, n, self.hq))

@@ -72,12 +72,17 @@ class StepPlan:
 
 
 def group_classes(batch: DecodeBatch) -> list[ClassPlan]:
-    """Group requests by ``prefix_id`` (>= 0 and prefix_len > 0); check members agree on the prefix.
+    """The prefix classes of ``batch`` (:func:`group_prefix_classes` of its host lists)."""
+    return group_prefix_classes(batch.prefix_ids, batch.prefix_lens, batch.hot_starts)
+
+
+def group_prefix_classes(ids: list[int], lens: list[int], hots: list[int]) -> list[ClassPlan]:
+    """Group rows by prefix id (>= 0 and prefix_len > 0); check members agree on the prefix.
+    ``ids`` / ``lens`` / ``hots``: per row, DecodeBatch's prefix_ids / prefix_lens / hot_starts.
 
     Works per run of equal ids (the engine and SGLang order a decode batch by class, so a class is
     usually one run): each run is checked with one slice comparison, not row by row.
     """
-    ids, lens, hots = batch.prefix_ids, batch.prefix_lens, batch.hot_starts
     b = len(ids)
     # run boundaries, found in C (map / compress): [0, rows where the id changes..., B]
     cuts = [0, *itertools.compress(range(1, b), map(operator.ne, ids[1:], ids[:-1])), b] if b else [0]

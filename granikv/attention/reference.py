@@ -103,7 +103,7 @@ def prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q
         qo_len, kv_len = qp[i + 1] - qp[i], kp[i + 1] - kp[i]
         if qo_len == 0:
             continue
-        if kv_len < qo_len:
+        if causal and kv_len < qo_len:
             raise ValueError(f"prefill_ref: request {i} has kv_len={kv_len} < qo_len={qo_len} "
                              "(its KV slots must include the new tokens)")
         slots = kv_indices[kp[i]:kp[i + 1]].long()

@@ -175,7 +175,7 @@ def evict_hot_extent(tree: Tree, pool: HotPool, holders: Mapping[int, Node], len
     """
     if not isinstance(length, int) or length <= 0:
         raise ValueError(f"evict_hot_extent: length must be a positive int, got {length!r}")
-    if pool.largest_free_extent >= length or length > pool.capacity:
+    if pool.fits(length) or pool.room(length) > pool.capacity:
         return 0
     info: dict[int, tuple] = {}  # slab start -> (newest access, tokens) of an evictable unit's subtree
     tops: dict[int, Node] = {}
@@ -192,7 +192,7 @@ def evict_hot_extent(tree: Tree, pool: HotPool, holders: Mapping[int, Node], len
     for start in window:
         if not tree.evicted(tops[start]):  # not already gone below another slab of the window
             freed += drop_subtree(tree, tops[start])[1]
-    assert pool.largest_free_extent >= length, "evict_hot_extent: the window did not free up"
+    assert pool.fits(length), "evict_hot_extent: the window did not free up"
     return freed
 
 

@@ -29,13 +29,20 @@ class HotPool:
     Free space is a sorted list of disjoint extents ``(start, length)``; ``free`` coalesces a
     returned slab with its neighbours. A slab is never moved once allocated (no compaction),
     which is what keeps dense-backend addressing static while a prefix is cached.
+
+    ``align``: every slab starts at a global slot that is a multiple of it (1: anywhere). A dense
+    launch that folds ``f`` keys of a head into one (granikv.attention.hot_batch) needs slabs that
+    start on a multiple of ``f``; the slots skipped to reach an aligned start stay free.
     """
 
-    def __init__(self, capacity: int, offset: int = 0):
+    def __init__(self, capacity: int, offset: int = 0, align: int = 1):
         if not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"HotPool capacity must be an int >= 0, got {capacity!r}")
+        if not isinstance(align, int) or isinstance(align, bool) or align < 1:
+            raise ValueError(f"HotPool align must be an int >= 1, got {align!r}")
         self.capacity = capacity
         self.offset = offset
+        self.align = align
         self._starts: list[int] = [offset] if capacity else []  # sorted free extent starts
         self._lens: list[int] = [capacity] if capacity else []
         self._live: dict[int, int] = {}  # start -> length of allocated slabs
@@ -52,25 +59,44 @@ class HotPool:
     def largest_free_extent(self) -> int:
         return max(self._lens, default=0)
 
+    def room(self, n: int) -> int:
+        """Free slots in one extent that always hold ``n`` slots from an aligned start."""
+        return n + self.align - 1
+
+    def fits(self, n: int) -> bool:
+        """Whether :meth:`alloc` of ``n`` slots would succeed now."""
+        a = self.align
+        return any(length - (-(-s // a) * a - s) >= n for s, length in zip(self._starts, self._lens))
+
     @property
     def slabs(self) -> list[Slab]:
         """Allocated slabs, by start."""
         return [Slab(s, n) for s, n in sorted(self._live.items())]
 
     def alloc(self, n: int) -> Slab | None:
-        """First free extent of at least ``n`` slots, or None when no extent is large enough."""
+        """First free extent holding ``n`` slots from an aligned start, or None when none does."""
         if not isinstance(n, int) or n <= 0:
             raise ValueError(f"HotPool.alloc(n): n must be a positive int, got {n!r}")
+        a = self.align
         for i, length in enumerate(self._lens):
-            if length >= n:
-                start = self._starts[i]
-                if length == n:
-                    del self._starts[i], self._lens[i]
-                else:
-                    self._starts[i] = start + n
-                    self._lens[i] = length - n
-                self._live[start] = n
-                return Slab(start, n)
+            first = self._starts[i]
+            start = -(-first // a) * a                  # the extent's first aligned slot
+            head = start - first                        # slots skipped before it: they stay free
+            if length - head < n:
+                continue
+            tail = length - head - n
+            if head:
+                self._lens[i] = head
+                if tail:
+                    self._starts.insert(i + 1, start + n)
+                    self._lens.insert(i + 1, tail)
+            elif tail:
+                self._starts[i] = start + n
+                self._lens[i] = tail
+            else:
+                del self._starts[i], self._lens[i]
+            self._live[start] = n
+            return Slab(start, n)
         return None
 
     def free(self, slab: Slab) -> None:
@@ -150,12 +176,14 @@ class HotPool:
         at each block, the one whose newest access is the oldest is taken, fewer tokens and a
         lower address breaking ties. Returns the starts of the slabs of that window, in address
         order; ``[]`` when an extent already fits; None when no window can hold ``length``.
+        With ``align`` > 1 a window must hold :meth:`room` slots (an aligned start inside it).
         Nothing is changed: the caller evicts (and ``free``s) the slabs it is given.
         """
         if not isinstance(length, int) or length <= 0:
             raise ValueError(f"HotPool.eviction_window: length must be a positive int, got {length!r}")
-        if self.largest_free_extent >= length:
+        if self.fits(length):
             return []
+        length = self.room(length)
         if length > self.capacity:
             return None
         # blocks tiling the pool in address order: (start, length, info or None (free) or False (pinned))

@@ -71,10 +71,11 @@ class HotRegion:
     Each slab gets an id, unique for the region's life (slab ids are never reused).
     """
 
-    def __init__(self, allocator: TokenAllocator, hot_tokens: int):
+    def __init__(self, allocator: TokenAllocator, hot_tokens: int, align: int = 1):
         self.allocator = allocator
+        self.align = align          # slab starts are multiples of it (HotPool's align: the dense launch's KV fold)
         self.start = self.end = 0
-        self.pool = HotPool(0)
+        self.pool = HotPool(0, align=align)
         self._ids: dict[int, int] = {}  # slab start -> slab id
         self._next_id = itertools.count()
         self.carve(hot_tokens)
@@ -95,7 +96,7 @@ class HotRegion:
             raise RuntimeError("HotRegion.carve: the region already holds slots (release() it first)")
         if hot_tokens == 0:
             self.start = self.end = 0
-            self.pool = HotPool(0)
+            self.pool = HotPool(0, align=self.align)
             return
         if self.allocator.available_size() < hot_tokens:
             raise RuntimeError(f"HotRegion: the allocator has {self.allocator.available_size()} free slots, "
@@ -112,7 +113,7 @@ class HotRegion:
                 "region must be carved from a fresh or just-cleared allocator (SGLang's free list is "
                 "1..size then)")
         self.start, self.end = lo, lo + hot_tokens
-        self.pool = HotPool(hot_tokens, offset=lo)
+        self.pool = HotPool(hot_tokens, offset=lo, align=self.align)
         self._ids.clear()
 
     def release(self) -> None:
@@ -122,12 +123,12 @@ class HotRegion:
         if self.capacity:
             self.allocator.free(torch.arange(self.start, self.end, dtype=torch.int64))
         self.start = self.end = 0
-        self.pool = HotPool(0)
+        self.pool = HotPool(0, align=self.align)
         self._ids.clear()
 
     def reset(self) -> None:
         """Forget every slab (the index was emptied); the region keeps its slots."""
-        self.pool = HotPool(self.capacity, offset=self.start)
+        self.pool = HotPool(self.capacity, offset=self.start, align=self.align)
         self._ids.clear()
 
     def recarve_after_clear(self, hot_tokens: int | None = None) -> None:
@@ -135,7 +136,7 @@ class HotRegion:
         resize): forget the slabs and take the region again (``hot_tokens``: a new size)."""
         n = self.capacity if hot_tokens is None else hot_tokens
         self.start = self.end = 0
-        self.pool = HotPool(0)
+        self.pool = HotPool(0, align=self.align)
         self._ids.clear()
         self.carve(n)
 
@@ -179,7 +180,7 @@ class HotRegion:
             return False
         if not self.capacity:
             self.start = self.end = base
-            self.pool = HotPool(0, offset=base)
+            self.pool = HotPool(0, offset=base, align=self.align)
         self.pool.grow(n)
         self.end += n
         return True

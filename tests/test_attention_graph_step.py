@@ -1,0 +1,199 @@
+"""granikv.attention.graph_step on the FlashInfer stand-in: the host plan of a captured decode step (a
+permutation, per-row sources, fixed segment counts, paths the capture cannot hold moved) and ONE GraphStep
+re-loaded for many random steps, each checked row by row against exact attention over the row's slots.
+The stand-in's graph-mode wrappers read only their buffers and give NaN for rows a launch does not cover,
+so a row merged from the wrong place fails."""
+import math
+import random
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import fake_flashinfer
+from granikv.attention import reference as R
+from granikv.attention.graph_step import GraphLimits, GraphStep, capture_plan, plan_graph_step
+from granikv.attention.policy import PrefixPolicy
+from granikv.attention.row_kernels import gather_rows, merge_rows
+
+HQ, HKV, D = 4, 2, 8
+
+
+@pytest.fixture(scope="module")
+def fake_fi_module():
+    saved = sys.modules.get("flashinfer")
+    sys.modules["flashinfer"] = fake_flashinfer.module()
+    yield
+    if saved is None:
+        sys.modules.pop("flashinfer", None)
+    else:
+        sys.modules["flashinfer"] = saved
+
+
+class FixedPolicy(PrefixPolicy):
+    """Chooses each class's path from ``paths`` (prefix id -> path); paged otherwise."""
+
+    name = "fixed"
+
+    def __init__(self, paths):
+        self.paths = paths
+
+    def choose(self, classes, batch_size):
+        for c in classes:
+            c.choice = self.paths.get(c.prefix_id, "paged")
+
+
+def _step(rng, lim, pool, table_w, hydragen=False):
+    """A random step: classes (some HOT slabs aligned or not, some COLD), rows shuffled, pad rows; its slot
+    table rows (prefix slots first, then private slots); returns ids, lens, hots, table, row lens, paths."""
+    raw = rng.randint(1, lim.batch)
+    k = rng.randint(0, 5)
+    free = list(range(pool))
+    slabs, paths, classes = [], {}, []
+    addr = lim.dummy
+    for pid in range(k):
+        lp = rng.choice([4, 6, 8, 12])
+        hot = not hydragen and rng.random() < 0.7
+        if hot:
+            addr = -(-addr // 4) * 4 + rng.choice([0, 0, 1])      # mostly aligned to fold 4
+            start = addr
+            addr += lp + rng.randint(0, 6)
+            if addr > pool // 2:
+                hot = False
+        if hot:
+            slots = list(range(start, start + lp))
+        else:
+            start = -1
+            slots = rng.sample(range(pool // 2, pool), lp)
+        paths[pid] = rng.choice(["hydragen"] if hydragen else ["dense", "dense", "cascade", "paged"])
+        classes.append((pid, lp, start, slots))
+    owner = [rng.randrange(-1, k) if k else -1 for _ in range(raw)]
+    ids, lens, hots, rows = [], [], [], []
+    table = torch.zeros(lim.batch + 3, table_w, dtype=torch.int32)
+    for r, c in enumerate(owner):
+        own = rng.sample(range(pool // 2, pool), rng.randint(1, 5))
+        if c >= 0:
+            pid, lp, start, slots = classes[c]
+            ids.append(pid), lens.append(lp), hots.append(start)
+            row = slots + own
+        else:
+            ids.append(-1), lens.append(0), hots.append(-1)
+            row = own
+        table[r + 3, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        rows.append(row)
+    return ids, lens, hots, table, rows, paths
+
+
+def _reference(q, k, v, rows, scale):
+    out = torch.empty_like(q)
+    for r, slots in enumerate(rows):
+        idx = torch.tensor(slots)
+        out[r:r + 1], _ = R.attention_ref(q[r:r + 1], k[idx], v[idx], scale)
+    return out
+
+
+def _rest_state(q, k, v, rows, skip, b, scale):
+    """The rest decode's state: each real row over its slots past ``skip``, pad rows over one slot."""
+    lists = [r[s:] for r, s in zip(rows, skip)] + [[0]] * (b - len(rows))
+    ip = torch.tensor([0] + [len(x) for x in lists]).cumsum(0).int()
+    idx = torch.tensor([s for x in lists for s in x], dtype=torch.int32)
+    return R.paged_decode_ref(q, k, v, ip, idx, scale)
+
+
+def test_plan_is_a_permutation_with_each_launch_one_run_and_fixed_segment_counts():
+    rng = random.Random(7)
+    lim = GraphLimits(batch=12, folds=(1, 4), fold_min_len=8, groups=2, cascades=2, region_len=64, cascade_slots=24)
+    for _ in range(200):
+        ids, lens, hots, _, _, paths = _step(rng, lim, 96, 32)
+        p = plan_graph_step(ids, lens, hots, lim, FixedPolicy(paths), group=HQ // HKV)
+        assert sorted(p.perm) == list(range(12)) and all(p.perm[p.src[r]] == r for r in range(12))
+        for i, hp in enumerate(p.dense):
+            assert len(hp.qo_indptr) == lim.dense_segments + 1
+            mine = [q for q in range(12) if p.kind[p.perm[q]] == i + 1]
+            if mine:                                   # one run of qp, starting where its lead ends
+                assert mine == list(range(mine[0], mine[-1] + 1))
+                assert mine[0] == 0 or hp.qo_indptr[1] == mine[0]
+        assert len(p.cas_qo) == lim.cascades + 2 and p.cas_kv[-1] <= lim.cascade_slots + lim.cascades + 1
+        for c in p.classes:
+            for r in c.rows:
+                want = {"dense": None, "cascade": 3, "paged": 0}[c.choice]
+                if want is not None:
+                    assert p.kind[r] == want
+                assert p.skip[r] == (0 if c.choice == "paged" else c.prefix_len)
+            if c.choice == "dense":                    # only aligned HOT slabs inside the region are served dense
+                f = lim.folds[p.kind[c.rows[0]] - 1]
+                assert c.hot_start >= lim.dummy and c.hot_start % f == 0 and c.prefix_len % f == 0
+            assert c.choice != "dense" or paths[c.prefix_id] == "dense"
+        assert sum(1 for c in p.classes if c.choice == "cascade") <= lim.cascades
+
+
+def test_a_class_the_capture_cannot_hold_moves_and_says_so():
+    lim = GraphLimits(batch=8, folds=(1,), groups=1, cascades=1, region_len=64, cascade_slots=8)
+    ids, lens, hots = [0, 0, 1, 1, 2, 2, 3, 3], [8] * 8, [8, 8, 16, 16, 24, 24, -1, -1]
+    p = plan_graph_step(ids, lens, hots, lim, FixedPolicy({0: "dense", 1: "dense", 2: "dense", 3: "dense"}), 2)
+    assert [c.choice for c in p.classes] == ["dense", "cascade", "paged", "paged"]
+    assert p.kind == [1, 1, 2, 2, 0, 0, 0, 0] and p.skip == [8, 8, 8, 8, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("bad", [dict(batch=0), dict(batch=4, folds=(3,)), dict(batch=4, folds=(2, 2)),
+                                 dict(batch=4, groups=0)])
+def test_limits_name_the_bad_field(bad):
+    with pytest.raises(ValueError, match="GraphLimits"):
+        GraphLimits(**bad)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([(1,), (1, 4), (2,)]), st.booleans())
+def test_one_graph_step_reloaded_for_many_steps_matches_exact_attention(fake_fi_module, seed, folds, hydragen):
+    """ONE GraphStep (its buffers fixed, as a captured graph's), loaded with 8 random steps in turn: every real
+    row of every step equals exact attention over its whole slot list."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    pool, b = 96, 10
+    lim = GraphLimits(batch=b, folds=folds, fold_min_len=8, groups=2, cascades=2,
+                      region_len=64 if hydragen else pool // 2, cascade_slots=24, scratch=hydragen)
+    k, v = torch.randn(pool, HKV, D), torch.randn(pool, HKV, D)
+    scale = 1 / math.sqrt(D)
+    gs = GraphStep(lim, HQ, HKV, D, torch.float32, "cpu", scale, workspace=torch.empty(1))
+    table = torch.zeros(b + 3, 40, dtype=torch.int32)
+    gs.load(capture_plan(lim), table, torch.arange(3, b + 3))
+    for _ in range(8):
+        ids, lens, hots, table, rows, paths = _step(rng, lim, pool, 40, hydragen)
+        p = plan_graph_step(ids, lens, hots, lim, FixedPolicy(paths), group=HQ // HKV)
+        gs.load(p, table, torch.arange(3, b + 3))
+        q = torch.randn(b, HQ, D)
+        o, lse = _rest_state(q, k, v, rows, p.skip, b, scale)
+        gs.run(q, k, v, o, lse)
+        want = _reference(q, k, v, rows, scale)
+        torch.testing.assert_close(o[:len(rows)], want[:len(rows)], rtol=1e-4, atol=1e-4)
+
+
+def test_merge_rows_reads_only_the_named_source_row():
+    """Rows past a source's covered rows hold NaN: a row that names another source stays finite."""
+    torch.manual_seed(0)
+    o, lse = torch.randn(5, 2, 4), torch.randn(5, 2)
+    s0, l0 = torch.randn(5, 2, 4), torch.randn(5, 2)
+    s1, l1 = torch.full((5, 2, 4), float("nan")), torch.full((5, 2), float("nan"))
+    s1[1], l1[1] = torch.randn(2, 4), torch.randn(2)
+    kind = torch.tensor([1, 2, 0, 1, 0], dtype=torch.int32)
+    src = torch.tensor([4, 1, 2, 0, 3], dtype=torch.int32)
+    want_o, want_l = o.clone(), lse.clone()
+    for r, (kk, p) in enumerate(zip(kind.tolist(), src.tolist())):
+        if kk:
+            so, sl = (s0, l0) if kk == 1 else (s1, l1)
+            want_o[r], want_l[r] = R.merge_state(o[r:r + 1], lse[r:r + 1], so[p:p + 1], sl[p:p + 1])
+    merge_rows(o, lse, [s0, s1], [l0, l1], kind, src)
+    assert torch.isfinite(o).all()
+    torch.testing.assert_close(o, want_o)
+    torch.testing.assert_close(lse, want_l)
+    with pytest.raises(ValueError, match="1..4 sources"):
+        merge_rows(o, lse, [], [], kind, src)
+
+
+def test_gather_rows_copies_only_the_counted_pairs():
+    src = torch.arange(20.0).view(10, 2)
+    dst = torch.full((6, 2), -1.0)
+    gather_rows(dst, src, torch.tensor([5, 0, 3], dtype=torch.int32), torch.tensor([9, 2, 4], dtype=torch.int32),
+                torch.tensor([2], dtype=torch.int32))
+    assert dst[5].tolist() == [18.0, 19.0] and dst[0].tolist() == [4.0, 5.0] and (dst[3] == -1).all()
