@@ -5,7 +5,7 @@
 
 Two servers of the same cell config, one after the other: the reference ``system=sglang_server``
 (SGLang's FlashInfer backend, its default full decode CUDA graphs) and the plugin system (its
-attention backend over breakable decode graphs, CUDA graphs on). Each gets the same traffic: one
+attention backend, the same full decode graphs unless the system's extra arguments ask for breakable ones). Each gets the same traffic: one
 request that caches the shared prefix, then ``batch`` requests sharing it, all at once, greedy,
 ``steps + 1`` output tokens, asking SGLang for the log-probabilities of a fixed set of 64 token ids
 at every output position (``token_ids_logprob``).
@@ -16,7 +16,8 @@ prefill), while both servers' outputs so far agree, the relative logit error is
 and ``d`` the difference (log-probs are logits minus a per-step constant, removed by the means).
 Pass: every compared step below 0.05 (the engine GPU tests' tolerance), at least one step compared
 per request, and the plugin's own counters (``GRANIKV_STATS_FILE``) show the expected path:
-for ``granikv``, dense classes and no ``full_graph_replay``. Writes ``DIR/plugin_check.json`` (with
+for ``granikv``, dense classes and no ``full_graph_replay``; under full decode graphs, split steps
+replayed from them (``graph_steps``). Writes ``DIR/plugin_check.json`` (with
 the provenance every raw result carries, and each server's start and serve seconds); exit code 0 on
 pass, 1 on a failed check, 2 when it could not run.
 
@@ -213,6 +214,9 @@ def main(argv=None) -> int:
             problems.append(f"no prefix class took the {want} path (classes by path: {stats['classes']})")
         if stats["paged_steps"].get("full_graph_replay"):
             problems.append(f"{stats['paged_steps']['full_graph_replay']} steps were full-graph replays (paged)")
+        breakable = "breakable" in rc.system.server.extra_args
+        if not breakable and not stats.get("graph_steps"):
+            problems.append("no split step replayed from a full decode CUDA graph (graph_steps = 0)")
     report.update(status="pass" if not problems else "fail", problems=problems, comparison=cmp,
                   path_stats=stats, reference_server=ref_info, plugin_server=info)
     (out_dir / "plugin_check.json").write_text(json.dumps(report, indent=1, default=str))

@@ -92,7 +92,8 @@ def test_settings_from_the_environment():
                 {"GRANIKV_PREFIX_LEN": "-1"}, {"GRANIKV_PREFIX_LEN": "1.5"}, {"GRANIKV_CASCADE_IMPL": "fast"},
                 {"GRANIKV_DECODE_PLAN": "quick"}, {"GRANIKV_HOT_SPLIT": "moving"},
                 {"GRANIKV_HOT_SPLIT": "dynamic", "GRANIKV_HOT_MAX_FRACTION": "0.1"},
-                {"GRANIKV_COLD_WATERMARK": "x"}, {"GRANIKV_HOT_MIN_FRACTION": "1.2"}):
+                {"GRANIKV_COLD_WATERMARK": "x"}, {"GRANIKV_HOT_MIN_FRACTION": "1.2"}, {"GRANIKV_DENSE_FOLD": "3"},
+                {"GRANIKV_DENSE_BACKEND": "fa9"}, {"GRANIKV_GRAPH_GROUPS": "0"}, {"GRANIKV_HYDRAGEN_SCRATCH": "-1"}):
         with pytest.raises(ValueError, match="GRANIKV_"):
             PluginSettings.from_env(env)
 
@@ -100,7 +101,9 @@ def test_settings_from_the_environment():
 # a value other than the default for every field of PluginSettings (valid together)
 SAMPLE = {"hot_fraction": 0.35, "prefix_len": 2048, "hardware": "h200", "stats_file": "/tmp/stats.json",
           "cascade_impl": "multilevel", "decode_plan": "flashinfer", "hot_split": "dynamic",
-          "hot_min_fraction": 0.1, "hot_max_fraction": 0.6, "cold_watermark": 0.07}
+          "hot_min_fraction": 0.1, "hot_max_fraction": 0.6, "cold_watermark": 0.07, "graph_groups": 4,
+          "graph_cascades": 2, "dense_fold": 4, "dense_fold_min_len": 8192, "dense_backend": "fa2",
+          "hydragen_scratch": 32768}
 # SystemConfig's fields the plugin does not read: what a server's command line or our engine takes
 ENGINE_ONLY = {"name", "backend", "dispatch", "tensor_core_decode", "dense_kernel", "engine", "server"}
 

@@ -222,14 +222,32 @@ def capture_plan(lim: GraphLimits) -> GraphStepPlan:
                          [0] * (lim.cascades + 1))
 
 
+def shared_buffers(lim: GraphLimits, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   device: torch.device | str) -> dict:
+    """The large buffers every captured step of a backend can share (steps run one at a time, and each
+    step's ``load`` rewrites what its ``run`` reads): the cascade slot list (int32 [cascade_slots +
+    cascades + 1]) and, for a scratch source, HydraGen's scratch K / V ([region_len, Hkv, D]) and its gather
+    pairs (int32 [region_len] each). ``lim``: the largest step's limits (its batch size does not matter)."""
+    dev = torch.device(device)
+    i32 = dict(dtype=torch.int32, device=dev)
+    out = {"cas_idx": torch.zeros(lim.cascade_slots + lim.cascades + 1, **i32)}
+    if lim.scratch:
+        out["scratch_k"] = torch.zeros(lim.region_len, num_kv_heads, head_dim, dtype=dtype, device=dev)
+        out["scratch_v"] = torch.zeros_like(out["scratch_k"])
+        out["g_src"] = torch.zeros(lim.region_len, **i32)
+        out["g_dst"] = torch.zeros(lim.region_len, **i32)
+    return out
+
+
 class GraphStep:
     """The prefix paths of one captured batch size (module doc): fixed buffers, ``load`` per step (outside
     the graph), ``run`` per layer (captured). Heads per TP rank; the KV pool is SGLang's / the engine's
-    ``[C, Hkv, D]`` per layer, its slot table ``[R, W]`` (request r's slots are row r's first entries)."""
+    ``[C, Hkv, D]`` per layer, its slot table ``[R, W]`` (request r's slots are row r's first entries).
+    ``shared``: :func:`shared_buffers` of the backend (None: this step's own)."""
 
     def __init__(self, lim: GraphLimits, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str, sm_scale: float, backend: str = "auto",
-                 workspace: Optional[torch.Tensor] = None):
+                 workspace: Optional[torch.Tensor] = None, shared: Optional[dict] = None):
         self.lim = lim
         self.hq, self.hkv, self.d, self.dtype, self.sm_scale = num_q_heads, num_kv_heads, head_dim, dtype, sm_scale
         dev = self.device = torch.device(device)
@@ -242,17 +260,15 @@ class GraphStep:
         self.staging = PinnedStaging(self.meta.numel(), dev)
         self.launches = [HotBatch(ws, num_q_heads, num_kv_heads, head_dim, dtype, sm_scale, backend,
                                   max_segments=lim.dense_segments) for _ in lim.folds]
-        self.cas_idx = torch.zeros(lim.cascade_slots + c + 1, **i32)
+        sh = shared if shared is not None else shared_buffers(lim, num_kv_heads, head_dim, dtype, dev)
+        if sh["cas_idx"].numel() < lim.cascade_slots + c + 1 or (lim.scratch and sh["g_src"].numel() < lim.region_len):
+            raise ValueError("GraphStep.shared: buffers smaller than this step's limits; make them with shared_buffers")
+        self.cas_idx = sh["cas_idx"]
         self.cascade = fo.make_prefill_paged_wrapper(ws, {
             "qo_indptr": torch.zeros(c + 2, **i32), "indptr": torch.zeros(c + 2, **i32), "indices": self.cas_idx,
             "last_page_len": torch.ones(c + 1, **i32)})
-        self.scratch_k = self.scratch_v = None
-        self.g_src = self.g_dst = None
-        if lim.scratch:
-            self.scratch_k = torch.zeros(lim.region_len, num_kv_heads, head_dim, dtype=dtype, device=dev)
-            self.scratch_v = torch.zeros_like(self.scratch_k)
-            self.g_src = torch.zeros(lim.region_len, **i32)
-            self.g_dst = torch.zeros(lim.region_len, **i32)
+        self.scratch_k, self.scratch_v = sh.get("scratch_k"), sh.get("scratch_v")
+        self.g_src, self.g_dst = sh.get("g_src"), sh.get("g_dst")
         self._planned: list = [None] * (len(lim.folds) + 1)      # each launch's last segments (re-plan on change)
         self.plan_: Optional[GraphStepPlan] = None
 

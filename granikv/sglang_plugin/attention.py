@@ -16,14 +16,14 @@ class's path, and the engine's :class:`granikv.attention.decode.DecodeAttention`
 runs per layer (prefix path, paged decode of the rest, LSE merge). Prefill/extend, and any decode
 step without a split-off class, is SGLang's FlashInfer path unchanged.
 
-CUDA graphs. A step's plan has a structure (classes, paths, slabs) that changes from step to step,
-which one captured graph per batch size cannot follow. With ``--cuda-graph-backend-decode
-breakable`` (what the plugin needs) SGLang captures the decode step in segments broken at each
-layer's attention: the attention runs on every replay as an eager break
-(``eager_on_graph``), after ``init_forward_metadata_out_graph`` planned the step on the host,
-and everything else replays from the graphs. With the default ``full`` decode graphs, replayed
-steps run SGLang's paged path (correct, no gain: counted as ``full_graph_replay``) and only steps
-above ``--cuda-graph-max-bs`` run the plugin's paths; a warning says so at start-up.
+CUDA graphs. With SGLang's default full decode graphs the whole decode step, prefix paths included,
+replays from one graph per captured batch size (:mod:`granikv.attention.graph_step`): the step's classes,
+paths, slabs and row order are data written into fixed buffers before each replay
+(``init_forward_metadata_out_graph``, SGLang's replay-metadata hook), the suffix index list is built on
+the GPU in one pass with each split row's prefix left out (``kv_start_idx``), and the dispatcher takes the
+table's graph rules. Steps above ``--cuda-graph-max-bs``, or with graphs disabled, run the same policy
+eagerly with the table's eager rules. ``--cuda-graph-backend-decode breakable`` still works (each layer's
+attention runs eagerly at a graph break, planned on the host; eager rules): kept for comparison.
 No host sync in a decode launch: the plan reads only host lists, ``seq_lens_cpu`` and device
 tensors it indexes asynchronously.
 """
@@ -50,6 +50,7 @@ from granikv.attention.batch import DecodeBatch, to_device
 from granikv.attention.decode import DecodeAttention
 from granikv.attention.dispatch import Dispatcher
 from granikv.attention.gpu_paths import host_range
+from granikv.attention.graph_step import GraphLimits, GraphStep, capture_plan, plan_graph_step, shared_buffers
 from granikv.attention.policy import make_policy
 from granikv.sglang_plugin.path_stats import PathStats, StatsWriter, describe, load_hardware
 from granikv.sglang_plugin.settings import PluginSettings
@@ -103,10 +104,11 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
         self._raw_bs = 0
         self._breakable = check_cuda_graph_backend(Phase.DECODE, Backend.BREAKABLE)
         self._attend_break = eager_on_graph(True)(self._attend)
-        if not self._breakable and not check_cuda_graph_backend(Phase.DECODE, Backend.DISABLED):
-            logger.warning("granikv attention (%s): decode CUDA graphs are not 'breakable': graph-replayed "
-                           "decode steps run SGLang's paged path. Pass --cuda-graph-backend-decode breakable.",
-                           backend_name)
+        # full decode graphs (SGLang's default): the captured step of each batch size, made at its capture
+        self._full = not self._breakable and not check_cuda_graph_backend(Phase.DECODE, Backend.DISABLED)
+        self.graph_steps: dict[int, GraphStep] = {}
+        self._gs: Optional[GraphStep] = None     # the captured step the current decode step runs, None: eager
+        self._gs_shared: Optional[dict] = None   # buffers every captured step shares (graph_step.shared_buffers)
         _LIVE.add(self)
         atexit.register(self._writer.maybe_write, self.stats, True)
 
@@ -168,6 +170,7 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
     def init_forward_metadata(self, forward_batch):
         """Eager steps (no CUDA graph): our plan for a decode step with a split class, else SGLang's."""
         self._step = None
+        self._gs = None
         mode = forward_batch.forward_mode
         self.decode.policy.graph_step = False          # an eager step: the table's eager rules
         if mode.is_decode() and self._plan(forward_batch, forward_batch.batch_size):
@@ -176,12 +179,16 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
         super().init_forward_metadata(forward_batch)
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
-        """Graph capture and replay. Breakable decode graphs: plan the replayed step (the attention
-        runs as an eager break); otherwise SGLang's graph wrappers, as FlashInfer does."""
+        """Graph capture and replay. Full decode graphs: at capture, SGLang's decode wrappers and this batch
+        size's :class:`GraphStep`; at replay, the step's plan written into its buffers. Breakable decode
+        graphs: plan the replayed step on the host (the attention runs as an eager break)."""
         self._step = None
+        self._gs = None
         decode = forward_batch.forward_mode.is_decode()
-        if decode and not in_capture and not self._breakable:
-            self._paged("full_graph_replay")
+        if decode and self._full:
+            with host_range("granikv_plan"):
+                self._replay_metadata(forward_batch, in_capture)
+            return
         if decode and not in_capture and self._breakable:
             bs = forward_batch.batch_size
             raw = bs - int(getattr(forward_batch, "num_padding", 0) or 0)
@@ -195,6 +202,94 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
             return
         super().init_forward_metadata_out_graph(forward_batch, in_capture)
 
+    # ---- full decode graphs ----------------------------------------------------------------------
+    def _limits(self, bs: int) -> GraphLimits:
+        st = self.settings
+        pool = self.token_to_kv_pool.get_key_buffer(0).shape[0]
+        scratch = self.backend_name == "hydragen"
+        fold = st.dense_fold
+        return GraphLimits(batch=bs, folds=(1, fold) if fold > 1 else (1,), fold_min_len=st.dense_fold_min_len,
+                           groups=st.graph_groups, cascades=st.graph_cascades,
+                           region_len=st.hydragen_scratch if scratch else pool,
+                           cascade_slots=pool, scratch=scratch)
+
+    def _graph_step(self, bs: int) -> GraphStep:
+        gs = self.graph_steps.get(bs)
+        if gs is None:
+            dec = self.decode
+            lim = self._limits(bs)
+            if self._gs_shared is None:
+                self._gs_shared = shared_buffers(lim, dec.hkv, dec.d, dec.dtype, dec.device)
+            # SGLang's float workspace: its decode kernels and these launches run one after another
+            gs = GraphStep(lim, dec.hq, dec.hkv, dec.d, dec.dtype, dec.device, dec.sm_scale,
+                           backend=self.settings.dense_backend, workspace=self.workspace_buffer,
+                           shared=self._gs_shared)
+            self.graph_steps[bs] = gs
+        return gs
+
+    def _replay_metadata(self, fb, in_capture: bool) -> None:
+        """Full decode graphs: write this step into the buffers the captured step of its batch size reads
+        (module doc). Host work, async copies, the suffix index list built on the GPU; no sync."""
+        bs = fb.batch_size
+        r2t = self.req_to_token_pool.req_to_token                              # [R, W] int32
+        gs = self._graph_step(bs)
+        if in_capture:
+            super().init_forward_metadata_out_graph(fb, in_capture=True)       # SGLang's decode wrappers of bs
+            gs.load(capture_plan(gs.lim), r2t, fb.req_pool_indices)
+            self._gs = gs
+            self.stats.paged("capture")
+            return
+        t0 = time.perf_counter()
+        raw = bs - int(getattr(fb, "num_padding", 0) or 0)
+        staged = staged_for(self._staged, raw)
+        reason = None
+        if fb.seq_lens_cpu is None:
+            reason = "no_cpu_seq_lens"
+        elif staged is None:
+            reason = "staged_mismatch" if self._staged is not None else "no_prefix"
+        elif not staged.any_prefix:
+            reason = "no_prefix"
+        self.decode.policy.graph_step = True            # the attention replays in the graph: the graph rules
+        if reason is None:
+            p = plan_graph_step(staged.prefix_ids, staged.prefix_lens, staged.hot_starts, gs.lim, self.decode.policy,
+                                self.decode.group)
+        else:
+            p = plan_graph_step([-1] * raw, [0] * raw, [-1] * raw, gs.lim, self.decode.policy, self.decode.group)
+        t1 = time.perf_counter()
+        gs.load(p, r2t, fb.req_pool_indices)
+        t2 = time.perf_counter()
+        # the rest decode: SGLang's decode wrappers of bs, each row's slots from its skip on (one Triton pass)
+        skip_h = torch.tensor(p.skip, dtype=torch.int32)
+        lens_h = fb.seq_lens_cpu[:bs].to(torch.int32) - skip_h if fb.seq_lens_cpu is not None else None
+        lens_d = fb.seq_lens[:bs].to(torch.int32) - gs.skip                    # [bs] rest lengths
+        wrapper = self.decode_cuda_graph_metadata[bs][0]
+        self.indices_updater_decode.call_begin_forward(
+            wrapper, fb.req_pool_indices[:bs], lens_d, int(lens_h.sum()) if lens_h is not None else 0,
+            self.kv_indptr[0], gs.skip, None, lens_h, fixed_split_size=None,
+            disable_split_kv=self.disable_cuda_graph_kv_split)
+        t3 = time.perf_counter()
+        if reason is not None or not p.split:
+            self._paged(reason or "no_split")
+            return
+        host = (t3 - t0) * 1e6 + staged.host_us
+        self.stats.split(p.decisions(self.decode.group, raw), staged.host_us, p.choose_us, host,
+                         index_us=(t3 - t2) * 1e6, make_us=(t1 - t0) * 1e6, load_us=(t2 - t1) * 1e6, graph=True)
+        self._writer.maybe_write(self.stats)
+
+    def _attend_graph(self, q, layer, forward_batch):
+        """One layer of a full-graph step (captured; replayed with each step's buffers): the rest decode on
+        SGLang's wrapper, then the prefix launches and one merge. q ``[bs, Hq*D]`` -> o ``[bs, Hq*D]``."""
+        hq, d = layer.tp_q_head_num, layer.head_dim
+        q3 = q.contiguous().view(-1, hq, d)                                    # [bs, Hq, D]
+        k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)           # [C, Hkv, D]
+        v_buf = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        wrapper = self.forward_metadata.decode_wrappers[0]
+        o, lse = wrapper.forward_return_lse(q3, (k_buf, v_buf), sm_scale=layer.scaling,
+                                            logits_soft_cap=layer.logit_cap, k_scale=layer.k_scale_float,
+                                            v_scale=layer.v_scale_float)
+        self._gs.run(q3, k_buf, v_buf, o, lse)
+        return o.view(-1, hq * d)
+
     # ---- run (per layer) -------------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         if k is not None and save_kv_cache:        # the KV write stays in the captured segment
@@ -203,8 +298,8 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(cache_loc, swa), k, v, *self._kv_write_scales(layer))
         if is_in_breakable_cuda_graph():
             return self._attend_break(q, layer, forward_batch)
-        if torch.cuda.is_current_stream_capturing():   # a full decode graph: SGLang's wrappers
-            return super().forward_decode(q, None, None, layer, forward_batch, save_kv_cache=False)
+        if self._gs is not None:                       # a full decode graph's capture (and its warm-up runs)
+            return self._attend_graph(q, layer, forward_batch)
         return self._attend(q, layer, forward_batch)
 
     def _attend(self, q, layer, forward_batch):

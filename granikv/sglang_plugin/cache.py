@@ -74,7 +74,7 @@ class GraniKVRadixCache(RadixCache):
         self.settings = settings
         self._hot_len = 0  # the shared-prefix length of the request being cached (0: none)
         self._promoted = False  # the last admission moved a cached COLD head into its slab
-        self.region = HotRegion(alloc, HotRegion.tokens_for(alloc.size, settings.hot_fraction))
+        self.region = HotRegion(alloc, HotRegion.tokens_for(alloc.size, settings.hot_fraction), align=settings.dense_fold)
         self.hot = HotColdTree(self.region, free_cold=lambda v: alloc.free_segment(v, start_pos=0),
                                delete_leaf=self._evict_leaf, split=settings.split_policy(alloc.size))
         super().__init__(params)  # calls self.reset()

@@ -28,7 +28,8 @@ class PathStats:
     """Counts since the server started, for one attention backend instance (one TP rank).
 
     ``steps``: decode steps seen (eager or replayed); ``split_steps``: steps that ran a plan of
-    ours (at least one class off the paged path); ``paged_steps[reason]``: steps that ran SGLang's
+    ours (at least one class off the paged path), ``graph_steps`` of them replayed from a full decode
+    CUDA graph; ``paged_steps[reason]``: steps that ran SGLang's
     paged path, by reason (:data:`PAGED_REASONS`); ``classes`` / ``rows``: prefix classes and their
     request rows by chosen path, over split steps. Host time (microseconds, summed over split
     steps): ``prefix_us`` reading the requests' prefixes off the radix tree, ``dispatch_us`` the
@@ -42,6 +43,7 @@ class PathStats:
     policy: str
     steps: int = 0
     split_steps: int = 0
+    graph_steps: int = 0
     paged_steps: dict = field(default_factory=lambda: {r: 0 for r in PAGED_REASONS})
     classes: dict = field(default_factory=lambda: {"paged": 0, "cascade": 0, "dense": 0, "hydragen": 0})
     rows: dict = field(default_factory=lambda: {"paged": 0, "cascade": 0, "dense": 0, "hydragen": 0})
@@ -60,10 +62,12 @@ class PathStats:
         self.paged_steps[reason] += 1
 
     def split(self, decisions: list[dict], prefix_us: float, dispatch_us: float, plan_us: float,
-              index_us: float = 0.0, make_us: float = 0.0, load_us: float = 0.0) -> None:
-        """One split step: ``decisions`` as ``StepPlan.decisions`` gives them (one dict per class)."""
+              index_us: float = 0.0, make_us: float = 0.0, load_us: float = 0.0, graph: bool = False) -> None:
+        """One split step: ``decisions`` as ``StepPlan.decisions`` gives them (one dict per class);
+        ``graph``: replayed from a full decode CUDA graph."""
         self.steps += 1
         self.split_steps += 1
+        self.graph_steps += int(graph)
         for d in decisions:
             if d["prefix_id"] < 0:
                 continue

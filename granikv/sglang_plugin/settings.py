@@ -24,7 +24,10 @@ SYSTEM_FIELDS = ("hot_fraction", "cascade_impl", "decode_plan", "hot_split", "ho
 # re-plans, as SGLang's own FlashInfer backend re-plans its decode graphs (granikv.attention.flashinfer_ops)
 PLUGIN_DEFAULTS = {"cascade_impl": "composed", "decode_plan": "fast"}
 # the plugin's own settings, no system field: (name, type, default), placed after hot_fraction
-OWN_FIELDS = (("prefix_len", "int", 0), ("hardware", "str", "auto"), ("stats_file", "str", ""))
+OWN_FIELDS = (("prefix_len", "int", 0), ("hardware", "str", "auto"), ("stats_file", "str", ""),
+              ("graph_groups", "int", 8), ("graph_cascades", "int", 8), ("dense_fold", "int", 2),
+              ("dense_fold_min_len", "int", 12288), ("dense_backend", "str", "auto"), ("hydragen_scratch", "int", 65536))
+DENSE_BACKENDS = ("auto", "fa2", "fa3")
 _PARSE = {"float": float, "int": int, "str": str}   # a field's declared type -> how its variable is read
 _WHAT = {"float": "a number", "int": "an int", "str": "a string"}
 
@@ -60,6 +63,17 @@ class _Settings:
                 raise ValueError(f"config error at `{env_name(f.name)}`: must be {_WHAT[f.type]}, got {v!r}")
         if self.prefix_len < 0:
             raise ValueError(f"config error at `{ENV_PREFIX_LEN}`: must be an int >= 0, got {self.prefix_len!r}")
+        for name in ("graph_groups", "hydragen_scratch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"config error at `{env_name(name)}`: must be an int >= 1, got {getattr(self, name)!r}")
+        if self.graph_cascades < 0 or self.dense_fold_min_len < 0:
+            raise ValueError(f"config error at `{env_name('graph_cascades')}` / `{env_name('dense_fold_min_len')}`: "
+                             "must be ints >= 0")
+        if self.dense_fold not in (1, 2, 4, 8):
+            raise ValueError(f"config error at `{env_name('dense_fold')}`: must be 1, 2, 4 or 8, got {self.dense_fold!r}")
+        if self.dense_backend not in DENSE_BACKENDS:
+            raise ValueError(f"config error at `{env_name('dense_backend')}`: must be one of {DENSE_BACKENDS}, "
+                             f"got {self.dense_backend!r}")
         check_split(self, env_name)
 
     @classmethod
@@ -116,6 +130,14 @@ HOT region keeps ``hot_fraction`` of the pool) or ``dynamic`` (it grows into fre
 on a HOT miss and gives free slots at its end back under COLD pressure, between
 ``hot_min_fraction`` and ``hot_max_fraction`` of the pool, keeping ``cold_watermark`` of it free
 for COLD; the rules of :class:`granikv.kv.SplitPolicy`, as in the engine).
+
+Full decode CUDA graphs (:mod:`granikv.attention.graph_step`): a captured step holds ``graph_groups``
+dense groups per dense launch and ``graph_cascades`` cascade classes (a class beyond them takes the next
+path: dense -> cascade -> paged). Two dense launches are captured when ``dense_fold`` > 1: one plain, one
+folding ``dense_fold`` keys of a head into one (more CTAs for long prefixes); a class of at least
+``dense_fold_min_len`` tokens takes the folded one, and HOT slabs start on multiples of ``dense_fold``.
+``dense_backend``: FlashInfer's backend of the dense launches (``auto``: fa3 on Hopper).
+``hydragen_scratch``: tokens of the scratch the HydraGen backend gathers a step's prefixes into.
 
 The fields of SYSTEM_FIELDS are SystemConfig's (name, type; default unless PLUGIN_DEFAULTS), and
 are checked by the same rules (granikv.config.check_split)."""
