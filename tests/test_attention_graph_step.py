@@ -3,6 +3,7 @@ permutation, per-row sources, fixed segment counts, paths the capture cannot hol
 re-loaded for many random steps, each checked row by row against exact attention over the row's slots.
 The stand-in's graph-mode wrappers read only their buffers and give NaN for rows a launch does not cover,
 so a row merged from the wrong place fails."""
+import itertools
 import math
 import random
 import sys
@@ -44,6 +45,9 @@ class FixedPolicy(PrefixPolicy):
             c.choice = self.paths.get(c.prefix_id, "paged")
 
 
+_IDS = itertools.count()   # a prefix id names one prefix's slots for good, as the plugin's ids do
+
+
 def _step(rng, lim, pool, table_w, hydragen=False):
     """A random step: classes (some HOT slabs aligned or not, some COLD), rows shuffled, pad rows; its slot
     table rows (prefix slots first, then private slots); returns ids, lens, hots, table, row lens, paths."""
@@ -52,7 +56,8 @@ def _step(rng, lim, pool, table_w, hydragen=False):
     free = list(range(pool))
     slabs, paths, classes = [], {}, []
     addr = lim.dummy
-    for pid in range(k):
+    for _ in range(k):
+        pid = next(_IDS)
         lp = rng.choice([4, 6, 8, 12])
         hot = not hydragen and rng.random() < 0.7
         if hot:
@@ -158,15 +163,20 @@ def test_one_graph_step_reloaded_for_many_steps_matches_exact_attention(fake_fi_
     gs = GraphStep(lim, HQ, HKV, D, torch.float32, "cpu", scale, workspace=torch.empty(1))
     table = torch.zeros(b + 3, 40, dtype=torch.int32)
     gs.load(capture_plan(lim), table, torch.arange(3, b + 3))
-    for _ in range(8):
-        ids, lens, hots, table, rows, paths = _step(rng, lim, pool, 40, hydragen)
+    kept = 0
+    for i in range(10):
+        if i % 3 != 2:                  # every third step repeats the last one: the slot lists are kept
+            ids, lens, hots, table, rows, paths = _step(rng, lim, pool, 40, hydragen)
         p = plan_graph_step(ids, lens, hots, lim, FixedPolicy(paths), group=HQ // HKV)
+        before = gs.shared.get("key")
         gs.load(p, table, torch.arange(3, b + 3))
+        kept += i % 3 == 2 and gs.shared["key"] == before
         q = torch.randn(b, HQ, D)
         o, lse = _rest_state(q, k, v, rows, p.skip, b, scale)
         gs.run(q, k, v, o, lse)
         want = _reference(q, k, v, rows, scale)
         torch.testing.assert_close(o[:len(rows)], want[:len(rows)], rtol=1e-4, atol=1e-4)
+    assert kept == 3
 
 
 def test_merge_rows_reads_only_the_named_source_row():
@@ -197,3 +207,22 @@ def test_gather_rows_copies_only_the_counted_pairs():
     gather_rows(dst, src, torch.tensor([5, 0, 3], dtype=torch.int32), torch.tensor([9, 2, 4], dtype=torch.int32),
                 torch.tensor([2], dtype=torch.int32))
     assert dst[5].tolist() == [18.0, 19.0] and dst[0].tolist() == [4.0, 5.0] and (dst[3] == -1).all()
+
+
+def test_a_new_prefix_with_the_last_steps_segment_lengths_gets_its_own_slots(fake_fi_module):
+    """Two steps whose cascade segments have the same lengths but different prefixes: the second is served
+    its own prefix slots (the kept slot lists are keyed by the prefix ids too)."""
+    torch.manual_seed(3)
+    b, pool = 4, 64
+    lim = GraphLimits(batch=b, folds=(1,), groups=1, cascades=1, region_len=32, cascade_slots=16)
+    k, v = torch.randn(pool, HKV, D), torch.randn(pool, HKV, D)
+    gs = GraphStep(lim, HQ, HKV, D, torch.float32, "cpu", 0.3, workspace=torch.empty(1))
+    for pid, base in ((1, 40), (2, 50)):
+        rows = [list(range(base, base + 8)) + [60 + r] for r in range(b)]
+        table = torch.tensor([[0] * 9] + rows, dtype=torch.int32)
+        p = plan_graph_step([pid] * b, [8] * b, [-1] * b, lim, FixedPolicy({pid: "cascade"}), HQ // HKV)
+        gs.load(p, table, torch.arange(1, b + 1))
+        q = torch.randn(b, HQ, D)
+        o, lse = _rest_state(q, k, v, rows, p.skip, b, 0.3)
+        gs.run(q, k, v, o, lse)
+        torch.testing.assert_close(o, _reference(q, k, v, rows, 0.3), rtol=1e-4, atol=1e-4)

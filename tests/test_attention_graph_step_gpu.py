@@ -4,6 +4,7 @@ the rows' suffixes, the dense launches, the cascade launch, the row merge) repla
 fp32 attention over each row's slots; the Triton row kernels against their torch math; and the pinned
 staging under a copy held back by a slow kernel. Run on the GPU host:
 pytest -m gpu tests/test_attention_graph_step_gpu.py"""
+import itertools
 import math
 import random
 
@@ -37,13 +38,17 @@ class FixedPolicy(PrefixPolicy):
             c.choice = self.paths.get(c.prefix_id, "paged")
 
 
+_IDS = itertools.count()   # a prefix id names one prefix's slots for good, as the plugin's ids do
+
+
 def _step(rng, lim, hydragen):
     """A random step over a pool whose first half holds HOT slabs (aligned to 8, mostly) and whose second
     half holds COLD prefixes and private slots."""
     raw = rng.randint(1, lim.batch)
     k = rng.randint(0, lim.groups + 2)
     classes, addr = [], 8
-    for pid in range(k):
+    for _ in range(k):
+        pid = next(_IDS)
         lp = rng.choice([64, 256, 1024, 2048, 4096])
         start = -1
         if not hydragen and rng.random() < 0.8 and addr + lp < POOL // 2:

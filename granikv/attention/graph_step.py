@@ -85,6 +85,8 @@ class GraphStepPlan:
     gather: list[tuple[int, int, int]] = field(default_factory=list)   # HydraGen: (row, Lp, scratch offset)
     classes: list[ClassPlan] = field(default_factory=list)
     choose_us: float = 0.0
+    cas_ids: tuple = ()                    # prefix ids of the cascade classes, in segment order
+    gather_ids: tuple = ()                 # prefix ids of the gathered (HydraGen) classes, in ``gather`` order
 
     @property
     def split(self) -> bool:
@@ -202,7 +204,9 @@ def plan_graph_step(ids: list[int], lens: list[int], hots: list[int], lim: Graph
     src = [0] * b
     for p, r in enumerate(perm):
         src[r] = p
-    return GraphStepPlan(perm, src, kind, skip, dense, cas_qo, cas_kv, cas_rows, gather, classes, choose_us)
+    gids = tuple(c.prefix_id for gl in launches for c, _ in gl if c.choice == "hydragen")
+    return GraphStepPlan(perm, src, kind, skip, dense, cas_qo, cas_kv, cas_rows, gather, classes, choose_us,
+                         tuple(c.prefix_id for c in cas), gids)
 
 
 def capture_plan(lim: GraphLimits) -> GraphStepPlan:
@@ -227,7 +231,9 @@ def shared_buffers(lim: GraphLimits, num_kv_heads: int, head_dim: int, dtype: to
     """The large buffers every captured step of a backend can share (steps run one at a time, and each
     step's ``load`` rewrites what its ``run`` reads): the cascade slot list (int32 [cascade_slots +
     cascades + 1]) and, for a scratch source, HydraGen's scratch K / V ([region_len, Hkv, D]) and its gather
-    pairs (int32 [region_len] each). ``lim``: the largest step's limits (its batch size does not matter)."""
+    pairs (int32 [region_len] each). ``lim``: the largest step's limits (its batch size does not matter).
+    ``key``: what the slot lists hold (which step wrote them, its segments and prefix ids); equal prefix ids
+    mean identical prefix slots, so a step whose classes and segments are the last one's keeps them."""
     dev = torch.device(device)
     i32 = dict(dtype=torch.int32, device=dev)
     out = {"cas_idx": torch.zeros(lim.cascade_slots + lim.cascades + 1, **i32)}
@@ -263,6 +269,7 @@ class GraphStep:
         sh = shared if shared is not None else shared_buffers(lim, num_kv_heads, head_dim, dtype, dev)
         if sh["cas_idx"].numel() < lim.cascade_slots + c + 1 or (lim.scratch and sh["g_src"].numel() < lim.region_len):
             raise ValueError("GraphStep.shared: buffers smaller than this step's limits; make them with shared_buffers")
+        self.shared = sh
         self.cas_idx = sh["cas_idx"]
         self.cascade = fo.make_prefill_paged_wrapper(ws, {
             "qo_indptr": torch.zeros(c + 2, **i32), "indptr": torch.zeros(c + 2, **i32), "indices": self.cas_idx,
@@ -279,14 +286,18 @@ class GraphStep:
         self.staging.write(p.perm + p.src + p.kind + p.skip + [sum(g[1] for g in p.gather)], self.meta)
         rows = req_pool_indices[:lim.batch]
         n = p.cas_kv[-1]
-        self._slot_lists(slot_table, rows, p.cas_rows, p.cas_kv, None, self.cas_idx[:n])
-        if p.gather:                    # HydraGen: (slot, scratch row) pairs of every gathered prefix
+        key = (id(self), tuple(p.cas_kv), p.cas_ids, tuple(g[1:] for g in p.gather), p.gather_ids)
+        fresh = key != self.shared.get("key")
+        if fresh:
+            self._slot_lists(slot_table, rows, p.cas_rows, p.cas_kv, None, self.cas_idx[:n])
+        if p.gather and fresh:          # HydraGen: (slot, scratch row) pairs of every gathered prefix
             off = [0]
             for _, lp, _ in p.gather:
                 off.append(off[-1] + lp)
             self._slot_lists(slot_table, rows, [g[0] for g in p.gather], off, None, self.g_src[:off[-1]])
             dst = torch.tensor([g[2] for g in p.gather], dtype=torch.int64)          # [G] scratch offsets
             self._slot_lists(None, None, None, off, dst, self.g_dst[:off[-1]])
+        self.shared["key"] = key
         for i, (hb, hp) in enumerate(zip(self.launches, p.dense)):
             key = (hp.qo_indptr, hp.kv_indptr)
             if key != self._planned[i]:

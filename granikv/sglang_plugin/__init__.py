@@ -11,12 +11,13 @@ Using it::
 
     pip install -e '.[sglang]'
     GRANIKV_HOT_FRACTION=0.2 python -m sglang.launch_server ... \
-        --attention-backend granikv --radix-cache-backend granikv \
-        --cuda-graph-backend-decode breakable
+        --attention-backend granikv --radix-cache-backend granikv
 
-(``breakable``: SGLang captures the decode step in segments broken at each layer's attention, so
-the per-step plan runs on every replayed step; see :mod:`.attention`.) The two baselines in SGLang:
-``--attention-backend granikv_cascade`` or ``hydragen`` with SGLang's own radix cache.
+With SGLang's default full decode CUDA graphs the whole decode step replays from one graph per batch
+size, the per-step plan written into the graph's buffers before each replay (see :mod:`.attention`);
+``--cuda-graph-backend-decode breakable`` also works (each layer's attention then runs eagerly at a
+graph break). The two baselines in SGLang: ``--attention-backend granikv_cascade`` or ``hydragen``
+with SGLang's own radix cache.
 
 Settings (environment variables of the server, read when the scheduler builds its cache):
 
@@ -47,6 +48,9 @@ Settings (environment variables of the server, read when the scheduler builds it
   out the lowest slots of its free list first and appends freed ones, so those slots are usually a
   running request's: growth is rare (counted as ``grow_refused``), and making it reliable would need
   an allocator that keeps them free, which SGLang has no extension point for.
+- ``GRANIKV_GRAPH_GROUPS`` (8), ``GRANIKV_GRAPH_CASCADES`` (8), ``GRANIKV_DENSE_FOLD`` (2),
+  ``GRANIKV_DENSE_FOLD_MIN_LEN`` (12288), ``GRANIKV_DENSE_BACKEND`` (``auto``), ``GRANIKV_HYDRAGEN_SCRATCH``
+  (65536): what a captured decode step holds (:class:`.settings.PluginSettings` says each).
 - ``GRANIKV_PREFIX_LEN`` (default 0): the shared-prefix length of a request that names none
   (for a workload whose requests all share one prefix of that many tokens); applies to a
   request whose prompt is at least that long. 0: such requests have no shared prefix.
