@@ -138,13 +138,28 @@ def run_one(rc, fast_start: bool, prompts, prefix_len, out_len, ids, stop: bool,
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and not Path(stats_path).exists():
                 time.sleep(0.5)
-            time.sleep(2.5)                    # one more write interval: the last steps are counted
+            time.sleep(2.5)                    # past the write interval, then one step: every step is counted
+            asyncio.run(step_once(srv.url))
+            time.sleep(0.5)
             stats = json.loads(Path(stats_path).read_text()) if Path(stats_path).exists() else None
         info["log_tail"] = srv.log_tail()[-20:]
         return out, stats, info
     finally:
         if stop:
             pool.close(keep=False)
+
+
+async def step_once(url: str) -> None:
+    """One short request (a prefill and one decode step). The plugin writes its counters at a step, at most
+    every 2 s: a step after that interval makes the file hold every step served before it."""
+    import aiohttp
+
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True, "temperature": 0}}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        async with s.post(url + "/generate", json=body) as r:
+            if r.status != 200:
+                raise RuntimeError(f"POST /generate: HTTP {r.status}: {(await r.text())[:300]}")
+            await r.read()
 
 
 class Interrupted(Exception):
