@@ -58,14 +58,15 @@ def gpus_of_results(res) -> list[str]:
     return ordered(found)
 
 
-def one_gpu(df: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
-    """The rows of ``df`` (a table with a ``gpu`` column) on its first GPU model (:func:`ordered`; rows naming
-    none count as NO_GPU), and the other GPU models it holds: a figure that draws one GPU model names the others."""
+def one_gpu(df: pd.DataFrame) -> tuple[pd.DataFrame, str | None, list[str]]:
+    """(rows, name, others): the rows of ``df`` (a table with a ``gpu`` column) on its first GPU model
+    (:func:`ordered`; rows naming none count as NO_GPU), its name, and the other GPU models ``df`` holds: a
+    figure that draws one GPU model names the others."""
     if df.empty:
-        return df, []
+        return df, None, []
     names = gpu_names(df)
     first, *others = ordered(names)
-    return df[names == first], others
+    return df[names == first], first, others
 
 
 def primary_gpu(res) -> str:

@@ -40,8 +40,7 @@ def draw(m: pd.DataFrame, out: Path) -> None:
     marked); right: TPOT of the forced backends, dense-only over cascade-only, vs Meff, with the paper's
     values. The first GPU model's (analysis.gpu.one_gpu) configuration with the most cells is drawn (the
     others are in the table)."""
-    m, other_gpus = one_gpu(m)
-    gpu = m[GPU].iloc[0]
+    m, gpu, other_gpus = one_gpu(m)
     cfg = m["config"].value_counts().idxmax()
     others = sorted(set(m["config"]) - {cfg}) + [f"on {g}" for g in other_gpus]
     m = m[m["config"] == cfg]
