@@ -64,7 +64,7 @@ def draw(m: pd.DataFrame, tf: pd.DataFrame, out: Path) -> None:
     colors = system_colors(systems)
     gpus = ordered(m[GPU])
     fig, axes = plt.subplots(len(gpus), 2, figsize=(11, len(gpus) * (0.5 * len(configs) * len(systems) / 2 + 2.2) + 0.2),
-                             squeeze=False)
+                             squeeze=False, sharex="col")      # the GPU models on one axis per panel column
     h = 0.8 / len(systems)
     pc = paper_claims(["profiler_cascade_llama8b", "profiler_cascade_qwen32b"])
     others = [s_ for s_ in systems if s_ != "sglang_default"]
