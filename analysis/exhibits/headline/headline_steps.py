@@ -44,7 +44,8 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     with its status there and the breakdown where measured; return the table."""
     grid = system_table(res.cells, res.config_columns, SELECT, ["config", "workload.prefix_len"],
                         expected={"config": PAPER_CONFIG_LABELS, "workload.prefix_len": LPS})
-    grid = grid[["config", "workload.prefix_len", GPU, "system", "status"]].rename(columns={"system": "system.name"})
+    grid = grid.reindex(columns=["config", "workload.prefix_len", GPU, "system", "status"])    # gpu: none without cells
+    grid = grid.rename(columns={"system": "system.name"})
     b = breakdown(res)
     if not b.empty:
         b = b.astype({"workload.prefix_len": grid["workload.prefix_len"].dtype})
