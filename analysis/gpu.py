@@ -38,13 +38,35 @@ def add_gpu(df: pd.DataFrame) -> pd.DataFrame:
     return df.assign(**{GPU: gpu_names(df, PROVENANCE_GPU)})
 
 
+def with_gpu(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with its ``gpu`` column (from ``provenance.gpu_name`` where it has none): the key a table
+    groups by so that two GPU models never pool."""
+    return df if GPU in df.columns else df.assign(**{GPU: gpu_names(df)})
+
+
+def ordered(gpus) -> list[str]:
+    """GPU model names, each once: PRIMARY_GPU first, then by name."""
+    return sorted(set(gpus), key=lambda g: (g != PRIMARY_GPU, g))
+
+
 def gpus_of_results(res) -> list[str]:
     """The GPU models of a Results' finished cells and kernel rows: PRIMARY_GPU first, then by name."""
     found = set()
     for df in (res.cells, res.set_aside, res.kernels):
         if not df.empty:
             found |= set(gpu_names(df))
-    return sorted(found, key=lambda g: (g != PRIMARY_GPU, g))
+    return ordered(found)
+
+
+def one_gpu(df: pd.DataFrame) -> tuple[pd.DataFrame, str | None, list[str]]:
+    """(rows, name, others): the rows of ``df`` (a table with a ``gpu`` column) on its first GPU model
+    (:func:`ordered`; rows naming none count as NO_GPU), its name, and the other GPU models ``df`` holds: a
+    figure that draws one GPU model names the others."""
+    if df.empty:
+        return df, None, []
+    names = gpu_names(df)
+    first, *others = ordered(names)
+    return df[names == first], first, others
 
 
 def primary_gpu(res) -> str:

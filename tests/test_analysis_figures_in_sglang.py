@@ -3,13 +3,10 @@ own), the systems in their own colours, tok/s panels on one y axis and ratio pan
 heterogeneous k=4 bars labelled without overlap, legends at 8 pt below the panels."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pandas as pd
 from matplotlib.colors import to_rgb
 
 from analysis.exhibits.sglang import in_sglang
-from analysis.load import Results
 from figure_rules import catch, check_all, series, shared_y
 
 
@@ -30,8 +27,7 @@ def _table() -> pd.DataFrame:
 
 def test_in_sglang_figure_keeps_the_rules(tmp_path, monkeypatch):
     caught = catch(monkeypatch, in_sglang)
-    res = Results(root=Path("."), cells=pd.DataFrame(), failures=pd.DataFrame(), kernels=pd.DataFrame())
-    in_sglang.draw(_table(), res, tmp_path)
+    in_sglang.draw(_table(), tmp_path)
     fig = caught.figs["in_sglang"]
     check_all(fig)
     by = {ax.get_title(): ax for ax in fig.axes}

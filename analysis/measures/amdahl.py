@@ -6,6 +6,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.common import NOT_MEASURED, THROUGHPUT, geomean, paired, select, with_derived
+from analysis.gpu import GPU, gpu_names, only_gpu, ordered
 from analysis.load import Results
 from analysis.measures.kernels import layout_speedup
 from analysis.measures.steps import cell_steps
@@ -66,22 +67,24 @@ def measured_ratio(res: Results, model: str, tp: int, cell: dict | None = None) 
 
 
 def amdahl_frame(res: Results) -> pd.DataFrame:
-    """One row per config: f, s (paper and ours), predictions, measured ratio, overshoot flags."""
+    """One row per config and GPU model: f, s (paper and ours), predictions, measured ratio, overshoot flags,
+    each from that GPU model's cells and kernel rows alone (analysis.gpu.only_gpu)."""
     tf = trace_frame(res)
-    s_ours, _ = layout_speedup(res)
     rows = []
-    if not tf.empty:
-        d = select(tf, {**CELL, "system": "=sglang_default"})
-        for (model, tp), g in d.groupby(["model.name", "tp"], sort=True):
+    d = select(tf, {**CELL, "system": "=sglang_default"}) if not tf.empty else tf
+    for gpu in ordered(gpu_names(d)):
+        mine = only_gpu(res, gpu)
+        s_ours, _ = layout_speedup(mine)
+        for (model, tp), g in d[gpu_names(d) == gpu].groupby(["model.name", "tp"], sort=True):
             f = float(g["share"].mean())
-            meas, src = measured_ratio(res, model, int(tp))
-            rows.append({"config": g["config"].iloc[0], "f_attention_share": f, "s_paper": PAPER_S, "s_ours": s_ours,
-                         "predicted_paper_s": amdahl(f, PAPER_S),
+            meas, src = measured_ratio(mine, model, int(tp))
+            rows.append({"config": g["config"].iloc[0], GPU: gpu, "f_attention_share": f, "s_paper": PAPER_S,
+                         "s_ours": s_ours, "predicted_paper_s": amdahl(f, PAPER_S),
                          "predicted_our_s": amdahl(f, s_ours) if np.isfinite(s_ours) else np.nan,
                          "measured": meas, "measured_from": src,
                          "measured_profiled_steps": meas if src == PROFILED else
-                         step_time_ratio(res, {**CELL, "model.name": f"={model}", "tp": f"={tp}"})})
-    t = pd.DataFrame(rows, columns=["config", "f_attention_share", "s_paper", "s_ours", "predicted_paper_s",
+                         step_time_ratio(mine, {**CELL, "model.name": f"={model}", "tp": f"={tp}"})})
+    t = pd.DataFrame(rows, columns=["config", GPU, "f_attention_share", "s_paper", "s_ours", "predicted_paper_s",
                                     "predicted_our_s", "measured", "measured_from", "measured_profiled_steps"])
     if not t.empty:
         t["overshoot_paper_s"] = np.where(t["measured"].notna(), t["predicted_paper_s"] > t["measured"], None)

@@ -8,6 +8,7 @@ import pandas as pd
 
 from analysis.common import (NOT_MEASURED, THROUGHPUT, aggregate, code_versions, identity, json_digest, select, show,
                              with_derived)
+from analysis.gpu import GPU, with_gpu
 from analysis.load import Results
 
 
@@ -25,6 +26,9 @@ TARGET = 0.97
 
 
 TABLE = "hardware.decision_table"
+
+
+OWN_BUDGET = "=h200|h100"   # a GPU model's own KV budget: its hardware preset
 
 
 @dataclass(frozen=True)
@@ -60,21 +64,21 @@ FAMILIES = (
            targets={("llama3_8b TP=1", 8): 1.82}),
     Family("limitation, ShareGPT Lp=512",
            {"workload.kind": "=sharegpt", "workload.prefix_len": "=512", "workload.batch": ">=512",
-            "hardware.name": "=h200", "tp": "=1"},
+            "hardware.name": OWN_BUDGET, "tp": "=1"},
            {"config": ("llama3_8b TP=1", "qwen25_14b TP=1"), "workload.batch": (512, 1024)}),
     Family("synthetic grid, small B",
            {"workload.kind": "=synthetic", "workload.batch": "<=32", "workload.prefix_len": "<=2048",
-            "hardware.name": "=h200", "workload.num_prefixes": "=1"},
+            "hardware.name": OWN_BUDGET, "workload.num_prefixes": "=1"},
            {"config": ("llama3_8b TP=1",), "workload.prefix_len": (512, 1024, 2048), "workload.batch": (8, 32)}),
     Family("headline, ShareGPT B=256",
-           {"workload.kind": "=sharegpt", "workload.batch": "=256", "hardware.name": "=h200", "tp": "=1",
+           {"workload.kind": "=sharegpt", "workload.batch": "=256", "hardware.name": OWN_BUDGET, "tp": "=1",
             "workload.num_prefixes": "=1"},
            {"config": ("llama3_8b TP=1",), "workload.prefix_len": (512, 1024, 2048, 4096, 8192, 16384)},
            target_from="granikv"),
 )
 
 
-COLUMNS = ["family", "point", "system", "table", "n", "tok_s", "n_base", "base_tok_s", "ratio_vs_sglang_default",
+COLUMNS = ["family", "point", GPU, "system", "table", "n", "tok_s", "n_base", "base_tok_s", "ratio_vs_sglang_default",
            "target", "meets", "code", "status"]
 
 
@@ -83,17 +87,20 @@ def point_label(fam: Family, values: tuple) -> str:
 
 
 def family_rows(cells: pd.DataFrame, config_cols: list[str], fam: Family) -> list[dict]:
-    """The rows of one family (see the module doc); ``cells`` carry analysis.common.with_derived's columns."""
+    """The rows of one family (see the module doc); ``cells`` carry analysis.common.with_derived's columns.
+    A row is one GPU model's cells, over that GPU model's SGLang default; an expected point no GPU model
+    measured is a not-measured row without one."""
     df = family_cells(cells, fam)
     dims = list(fam.dims)
-    # config keys that vary inside the family beyond the point (a setting two sweeps differ in) split rows;
-    # the decision table and the system's own keys do not (see the module doc)
-    extra = [c for c in identity(df, config_cols) if c not in dims and c != TABLE and not c.startswith(("system.", "model."))
-             and c != "tp" and df.astype({c: str}).groupby(dims)[c].nunique().gt(1).any()] if not df.empty else []
+    # config keys that vary inside the family beyond the point and GPU model (a setting two sweeps differ in)
+    # split rows; the decision table and the system's own keys do not (see the module doc)
+    extra = [c for c in identity(df, config_cols) if c not in dims + [GPU] and c != TABLE
+             and not c.startswith(("system.", "model.")) and c != "tp"
+             and df.astype({c: str}).groupby(dims + [GPU])[c].nunique().gt(1).any()] if not df.empty else []
     rows, seen = [], set()
     if not df.empty:
         df = df.assign(table=[json_digest(v) for v in df[TABLE]] if TABLE in df.columns else "-")
-        keys = dims + extra
+        keys = dims + [GPU] + extra
         base = aggregate(df[df["system"] == BASE], keys, THROUGHPUT)[keys + ["mean", "n"]]
         base = base.rename(columns={"mean": "base_tok_s", "n": "n_base"})
         var = df[df["system"].isin(VARIANTS)]
@@ -105,7 +112,8 @@ def family_rows(cells: pd.DataFrame, config_cols: list[str], fam: Family) -> lis
             target = fam.targets.get(values, TARGET)
             ratio = r["mean"] / r["base_tok_s"] if pd.notna(r.get("base_tok_s")) else float("nan")
             point = point_label(fam, values) + "".join(f", {k}={show(r[k])}" for k in extra)
-            rows.append({"family": fam.name, "point": point, "system": r["system"], "table": r["table"], "n": r["n"],
+            rows.append({"family": fam.name, "point": point, GPU: r[GPU], "system": r["system"], "table": r["table"],
+                         "n": r["n"],
                          "tok_s": r["mean"], "n_base": r.get("n_base") if pd.notna(r.get("n_base")) else 0,
                          "base_tok_s": r.get("base_tok_s"), "ratio_vs_sglang_default": ratio, "target": target,
                          "meets": NOT_MEASURED if pd.isna(ratio) else ("yes" if ratio >= target else "no"),
@@ -119,26 +127,29 @@ def family_rows(cells: pd.DataFrame, config_cols: list[str], fam: Family) -> lis
 
 
 def _targets_from(fam: Family, rows: list[dict]) -> list[dict]:
-    """Hold every variant but ``fam.target_from`` to that variant's best measured ratio at the same point
-    (when above the row's own target); ``meets`` follows the new target."""
-    best: dict[str, float] = {}
+    """Hold every variant but ``fam.target_from`` to that variant's best measured ratio at the same point on
+    the same GPU model (when above the row's own target); ``meets`` follows the new target."""
+    best: dict[tuple, float] = {}
     for r in rows:
         ratio = r.get("ratio_vs_sglang_default")
+        at = (r["point"], r.get(GPU))
         if r["system"] == fam.target_from and ratio is not None and pd.notna(ratio):
-            best[r["point"]] = max(best.get(r["point"], ratio), ratio)
+            best[at] = max(best.get(at, ratio), ratio)
     for r in rows:
-        if r["system"] != fam.target_from and r["point"] in best and best[r["point"]] > r["target"]:
-            r["target"] = best[r["point"]]
+        at = (r["point"], r.get(GPU))
+        if r["system"] != fam.target_from and at in best and best[at] > r["target"]:
+            r["target"] = best[at]
             if r["meets"] != NOT_MEASURED:
                 r["meets"] = "yes" if r["ratio_vs_sglang_default"] >= r["target"] else "no"
     return rows
 
 
 def family_cells(cells: pd.DataFrame, fam: Family) -> pd.DataFrame:
-    """``fam``'s uninstrumented cells of SGLang default and the variants (``cells`` with_derived). A variant
-    cell whose dispatcher was forced (``system.dispatch`` other than ``table``: an ablation such as every
-    class on cascade) is another system and is left out; cells older than the key ran the table."""
-    df = select(cells, {**fam.sel, "instrumented": "=False"}) if not cells.empty else cells
+    """``fam``'s uninstrumented cells of SGLang default and the variants (``cells`` with_derived), each with
+    its GPU model (``gpu``). A variant cell whose dispatcher was forced (``system.dispatch`` other than
+    ``table``: an ablation such as every class on cascade) is another system and is left out; cells older
+    than the key ran the table."""
+    df = select(with_gpu(cells), {**fam.sel, "instrumented": "=False"}) if not cells.empty else cells
     if df.empty:
         return df
     dispatch = df["system.dispatch"].fillna("table") if "system.dispatch" in df.columns else "table"

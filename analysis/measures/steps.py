@@ -7,6 +7,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.common import HEADLINE_CELLS, identity, select, sort_rows, with_derived
+from analysis.gpu import GPU, with_gpu
 from analysis.load import Results, load_steps
 from analysis.measures.sglang import SYSTEMS
 from granikv.rawio import SchemaError, data_path
@@ -18,7 +19,7 @@ SELECT = HEADLINE_CELLS   # the cells whose steps are broken down: the headline'
 FULL = 0.9          # a decode step is "at full batch" from 90% of the configured batch on
 
 
-KEYS = ["config", "workload.prefix_len", "system.name"]
+KEYS = ["config", "workload.prefix_len", GPU, "system.name"]    # a row: one GPU model's cells of a system
 
 
 COLS = ["decode_full_p50_ms", "decode_s", "prefill_s", "prefill_steps", "prefill_p50_ms", "decode_batch_mean", "commit"]
@@ -60,8 +61,9 @@ def _cell_steps(path: str | Path, batch: int) -> dict:
 
 
 def breakdown(res: Results) -> pd.DataFrame:
-    """One row per headline cell (repetitions averaged), with ratios to sglang_default."""
-    cells = select(with_derived(res.cells), SELECT)
+    """One row per headline configuration and GPU model (repetitions averaged), with ratios to sglang_default
+    on the same GPU model."""
+    cells = select(with_gpu(with_derived(res.cells)), SELECT)
     cells = cells[cells["system"].isin(SYSTEMS)] if not cells.empty else cells   # the four systems of the paper
     if cells.empty:
         return pd.DataFrame(columns=KEYS + COLS)

@@ -7,8 +7,9 @@ make_plan + load (the policy's choices, the KV index lists, FlashInfer's plan ca
 step replayed a CUDA graph. For every analysis.beyond row (family, point, system, table) and step kind
 (``graph``: replayed; ``eager``: above the graph limit or otherwise not replayed):
 
-- the variant's and SGLang default's decode steps at the same point are grouped by batch size, pooled over
-  their cells (repetitions), and each batch size's median ``plan_us`` taken;
+- the variant's and SGLang default's decode steps at the same point on the same GPU model (column ``gpu``;
+  two GPU models never pool) are grouped by batch size, pooled over their cells (repetitions), and each batch
+  size's median ``plan_us`` taken;
 - ``plan_us`` / ``base_plan_us``: the variant's and SGLang default's medians, averaged over the batch sizes
   both ran in this step kind, each weighted by the variant's steps at that batch size (the variant's batch
   mix, priced at both systems' plan costs); ``plan_ratio``: plan_us / base_plan_us;
@@ -33,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.common import NOT_MEASURED, json_digest, write_table
+from analysis.gpu import GPU
 from analysis.load import Results, load_steps
 from analysis.measures.families import BASE, Family, TABLE, expected, family_cells, per_family, point_label
 from analysis.registry import register_exhibit
@@ -43,7 +45,7 @@ FIGURES: tuple[str, ...] = ()
 TARGET = 1.0
 SCOPE_KEY = "decode_plan_scope"           # engine stats (metrics.json): what plan_us covers
 SCOPES = {"plan": "the plan alone", "gather+plan": "the slot-list gather and the plan"}
-COLUMNS = ["family", "point", "system", "table", "step_kind", "plan_scope", "steps", "batches", "plan_us", "base_plan_us",
+COLUMNS = ["family", "point", GPU, "system", "table", "step_kind", "plan_scope", "steps", "batches", "plan_us", "base_plan_us",
            "plan_ratio", "target", "meets", "status"]
 
 
@@ -70,9 +72,9 @@ def _cell_plan_cached(path: str, mtime_ns: int, size: int) -> pd.DataFrame:
 
 
 def family_plan(cells: pd.DataFrame, root: Path, fam: Family) -> pd.DataFrame:
-    """The rows of ``fam`` (COLUMNS): one per (point, variant, table, step kind) with a batch size in common
-    with SGLang default's steps at that point, then a not-measured row per expected (point, variant)
-    without one."""
+    """The rows of ``fam`` (COLUMNS): one per (point, GPU model, variant, table, step kind) with a batch size in
+    common with SGLang default's steps at that point on that GPU model, then a not-measured row per expected
+    (point, variant) without one on any GPU model."""
     measured, traced = _measured(cells, root, fam)
     seen = set(zip(measured["point"], measured["system"]))
     missing = [{"family": fam.name, "point": point, "system": system, "table": "-", "step_kind": "-",
@@ -92,7 +94,7 @@ def _measured(cells: pd.DataFrame, root: Path, fam: Family) -> tuple[pd.DataFram
     df = family_cells(cells, fam)
     if df.empty:
         return pd.DataFrame(columns=COLUMNS), set()
-    dims = list(fam.dims)
+    dims = list(fam.dims) + [GPU]
     parts = []
     for _, c in df.iterrows():
         p = cell_plan(root / c["path"])
@@ -105,7 +107,7 @@ def _measured(cells: pd.DataFrame, root: Path, fam: Family) -> tuple[pd.DataFram
     if not parts:
         return pd.DataFrame(columns=COLUMNS), set()
     steps = pd.concat(parts, ignore_index=True)
-    traced = {(point_label(fam, tuple(k[:-1])), k[-1]) for k in steps.groupby(dims + ["system"]).groups}
+    traced = {(point_label(fam, tuple(k[:len(fam.dims)])), k[-1]) for k in steps.groupby(dims + ["system"]).groups}
     keys = dims + ["system", "table", "step_kind", "plan_scope", "batch_size"]
     med = steps.groupby(keys, as_index=False).agg(us=("plan_us", "median"), n=("plan_us", "size"))
     base = med[med["system"] == BASE].drop(columns=["system", "table", "n"]).rename(columns={"us": "base_us"})
@@ -115,7 +117,8 @@ def _measured(cells: pd.DataFrame, root: Path, fam: Family) -> tuple[pd.DataFram
         w = g["n"].to_numpy(float)
         us, base_us = float(np.average(g["us"], weights=w)), float(np.average(g["base_us"], weights=w))
         ratio = us / base_us
-        rows.append({"family": fam.name, "point": point_label(fam, key[:len(dims)]), "system": key[-4],
+        rows.append({"family": fam.name, "point": point_label(fam, key[:len(fam.dims)]), GPU: key[len(fam.dims)],
+                     "system": key[-4],
                      "table": key[-3], "step_kind": key[-2], "plan_scope": key[-1], "steps": int(w.sum()),
                      "batches": len(g),
                      "plan_us": us, "base_plan_us": base_us, "plan_ratio": ratio,
@@ -129,16 +132,16 @@ def plan_frame(res: Results) -> pd.DataFrame:
 
 
 def lines(t: pd.DataFrame) -> list[str]:
-    """The REPORT's paragraph on plan cost: per variant and step kind, how many rows meet the target and the
-    range of plan_ratio."""
+    """The REPORT's paragraph on plan cost: per GPU model, variant and step kind, how many rows meet the target
+    and the range of plan_ratio."""
     L = ["", "Host cost of planning a decode step (tables/beyond_plan.md): each variant's plan() against SGLang "
              "default's at the same batch size, over the same cells.", ""]
     t = t[t["status"] == "measured"]
     if t.empty:
         return L + [f"- {NOT_MEASURED}: no cell records plan_us."]
-    for (system, kind, scope), g in t.groupby(["system", "step_kind", "plan_scope"], sort=False):
+    for (gpu, system, kind, scope), g in t.groupby([GPU, "system", "step_kind", "plan_scope"], sort=False):
         worst = g.loc[g["plan_ratio"].idxmax()]
-        L.append(f"- {system}, {kind} steps, plan_us covering {SCOPES.get(scope, scope)}: "
+        L.append(f"- {gpu}, {system}, {kind} steps, plan_us covering {SCOPES.get(scope, scope)}: "
                  f"{int((g['meets'] == 'yes').sum())} of {len(g)} rows at or below the "
                  f"baseline's plan time; plan_ratio {g['plan_ratio'].min():.2f}-{g['plan_ratio'].max():.2f} "
                  f"(worst: {worst['family']}, {worst['point']}, {worst['plan_us']:.0f} us against "

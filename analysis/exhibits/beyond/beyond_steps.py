@@ -13,7 +13,8 @@ measured steps only, warm-up excluded), averaged over the cells of a (family, po
   ``prefill_share``: the variant's prefill_s over its prefill_s + decode_s (time no attention backend
   changes, which bounds the end-to-end ratio).
 
-SGLang default's columns (``base_*``) pool its cells at the point, as analysis.beyond's ratio does.
+SGLang default's columns (``base_*``) pool its cells at the point on the same GPU model, as analysis.beyond's
+ratio does; a row is one GPU model's cells (column ``gpu``), never two.
 Writes tables/beyond_steps.{csv,md}; ``miss_lines`` gives the REPORT's lines on the cells that miss.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.common import NOT_MEASURED, json_digest, write_table
+from analysis.gpu import GPU
 from analysis.load import Results
 from analysis.measures.families import (BASE, Family, TABLE, beyond_frame, expected, family_cells, per_family,
                                         point_label)
@@ -34,13 +36,14 @@ from analysis.registry import register_exhibit
 NAME = "beyond_steps"
 FIGURES: tuple[str, ...] = ()
 STEP_COLS = ["prefill_s", "decode_s", "decode_steps", "decode_eager_steps", "decode_eager_s", "decode_batch_mean"]
-COLUMNS = (["family", "point", "system", "table", "n"] + STEP_COLS + [f"base_{c}" for c in STEP_COLS]
+COLUMNS = (["family", "point", GPU, "system", "table", "n"] + STEP_COLS + [f"base_{c}" for c in STEP_COLS]
            + ["decode_speedup", "prefill_share", "status"])
 
 
 def family_steps(cells: pd.DataFrame, root: Path, fam: Family) -> pd.DataFrame:
-    """One row per (point, system, table) of ``fam`` with a measured cell (COLUMNS; the baseline's step
-    columns pooled per point), and a not-measured row per expected (point, variant) without one."""
+    """One row per (point, GPU model, system, table) of ``fam`` with a measured cell (COLUMNS; the baseline's
+    step columns pooled per point and GPU model), and a not-measured row per expected (point, variant) no GPU
+    model measured."""
     measured = _measured(cells, root, fam)
     seen = set(zip(measured["point"], measured["system"])) if not measured.empty else set()
     missing = [{"family": fam.name, "point": point_label(fam, values), "system": system, "table": "-", "n": 0,
@@ -51,11 +54,11 @@ def family_steps(cells: pd.DataFrame, root: Path, fam: Family) -> pd.DataFrame:
 
 
 def _measured(cells: pd.DataFrame, root: Path, fam: Family) -> pd.DataFrame:
-    """The rows of ``fam``'s (point, system, table) groups that have a variant cell."""
+    """The rows of ``fam``'s (point, GPU model, system, table) groups that have a variant cell."""
     df = family_cells(cells, fam)
     if df.empty:
         return pd.DataFrame(columns=COLUMNS)
-    dims = list(fam.dims)
+    dims = list(fam.dims) + [GPU]
     rows = []
     for _, c in df.iterrows():
         s = cell_steps(root / c["path"], int(c["workload.batch"]))
@@ -74,7 +77,7 @@ def _measured(cells: pd.DataFrame, root: Path, fam: Family) -> pd.DataFrame:
     agg["decode_speedup"] = agg["base_decode_s"] / agg["decode_s"]
     agg["prefill_share"] = agg["prefill_s"] / (agg["prefill_s"] + agg["decode_s"])
     agg["family"] = fam.name
-    agg["point"] = [point_label(fam, tuple(r[d] for d in dims)) for _, r in agg.iterrows()]
+    agg["point"] = [point_label(fam, tuple(r[d] for d in fam.dims)) for _, r in agg.iterrows()]
     agg["status"] = "measured"
     return agg[COLUMNS]
 
@@ -91,11 +94,11 @@ def miss_lines(t: pd.DataFrame, steps: pd.DataFrame) -> list[str]:
     steps = steps[steps["status"] == "measured"]
     if miss.empty:
         return []
-    key = ["family", "point", "system", "table"]
+    key = ["family", "point", GPU, "system", "table"]
     m = miss.merge(steps, on=key, how="left", suffixes=("", "_steps"))
     L = ["", "The cells that miss their target, with their step breakdown (tables/beyond_steps.md):", ""]
     for r in m.to_dict("records"):
-        head = (f"- {r['family']}, {r['point']}, {r['system']}: {r['ratio_vs_sglang_default']:.2f}x against "
+        head = (f"- {r['family']}, {r['point']}, {r[GPU]}, {r['system']}: {r['ratio_vs_sglang_default']:.2f}x against "
                 f"{r['target']:.2f}x.")
         if pd.isna(r.get("decode_s")):
             L.append(head + " (no step trace)")

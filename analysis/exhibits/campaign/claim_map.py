@@ -10,6 +10,11 @@ claim (an Amdahl claim needs both: the plain pair and the profiled SGLang-defaul
 (the dispatcher's cost, the worst over every dispatching serving cell) maps to the sweep made for it,
 ``dispatch_overhead``. Measured cells or kernel rows of the claim in folders no item plans add their bench.
 
+A claim has a row per GPU model it is evaluated on (analysis.verdict.evaluate: the primary GPU model's first,
+column ``gpu``), each from that GPU model's cells alone (analysis.gpu.only_gpu): the primary GPU model's row
+maps to the items that plan the claim's cells and the benches holding its cells; another GPU model's row to
+the items and benches whose folders hold that GPU model's cells of the claim.
+
 Time: the GPU time the experiment's finished cells recorded here (metrics ``warmup.duration_s`` +
 ``duration_s``: warm-up and measured run, summed over its cells; process start-up and model construction
 are not recorded and come on top); a planned cell not measured yet counts the mean of the measured ones
@@ -31,6 +36,7 @@ import pandas as pd
 
 from analysis.clean import all_cells
 from analysis.common import norm_value, parse_selectors, select, with_derived, write_table
+from analysis.gpu import GPU, only_gpu
 from analysis.load import Results
 from analysis.paper import deciding_folders, deciding_selections
 from analysis.registry import register_exhibit
@@ -82,8 +88,8 @@ def claim_items(claim: pd.Series, planned: pd.DataFrame) -> list[str]:
     return [i for i in order if i in got]
 
 
-def claim_bench_sweeps(claim: pd.Series, ctx, planned_sweeps: set[str]) -> list[str]:
-    """Folders of results/raw outside the campaign whose cells (or kernel rows) the claim reads."""
+def claim_folders(claim: pd.Series, ctx) -> list[str]:
+    """Folders of results/raw whose cells (or kernel rows) the claim reads in ``ctx`` (a verdict Context)."""
     frame = "cells" if claim["statistic"] == "amdahl_overshoot" else claim["frame"]
     if frame == "steps":
         return []
@@ -92,7 +98,22 @@ def claim_bench_sweeps(claim: pd.Series, ctx, planned_sweeps: set[str]) -> list[
         return []
     sel, base = parse_selectors(claim["selectors"]), parse_selectors(claim["baseline"])
     d = pd.concat([select(df, sel), select(df, {**sel, **base})])
-    return sorted(set(d["sweep"].dropna()) - planned_sweeps)
+    return sorted(set(d["sweep"].dropna()))
+
+
+def claim_experiments(claim: pd.Series, ctx, planned: pd.DataFrame) -> list[str]:
+    """The experiments of one claim's row (``claim``: a row of analysis.verdict.evaluate, ``ctx``: its GPU
+    model's Context): on the primary GPU model, the campaign items that plan its cells (:func:`claim_items`);
+    on another, the items whose folders hold its cells there; then, on either, the bench folders outside the
+    campaign that hold them."""
+    folders = claim_folders(claim, ctx)
+    planned_sweeps = set(planned["sweep"]) if not planned.empty else set()
+    if claim["primary"]:
+        items = claim_items(claim, planned)
+    else:
+        held = set(planned.loc[planned["sweep"].isin(folders), "item"]) if not planned.empty else set()
+        items = [i for i in dict.fromkeys(planned["item"]) if i in held] if held else []
+    return items + [f for f in folders if f not in planned_sweeps]
 
 
 class _Finished:
@@ -217,28 +238,30 @@ def merged_overrides(cells: pd.DataFrame) -> list[str] | None:
     return [f"{k}={','.join(sorted(v, key=int) if all(x.isdigit() for x in v) else v)}" for k, v in values.items()]
 
 
-def rerun_rows(res: Results, claims: pd.DataFrame, ev: pd.DataFrame, items, planned: pd.DataFrame, ctx,
-               exp: dict, names: dict[str, list[str]]) -> list[dict]:
-    """Per claim and experiment that holds its deciding cells: the command that reruns those cells alone."""
+def rerun_rows(res: Results, ev: pd.DataFrame, items, planned: pd.DataFrame, contexts: dict, exp: dict,
+               names: dict[tuple[str, str], list[str]]) -> list[dict]:
+    """Per claim row (``ev``: analysis.verdict.evaluate's, one per claim and GPU model; ``contexts``: GPU model ->
+    its Context; ``names``: (claim, GPU model) -> its experiments) and experiment that holds its deciding cells:
+    the command that reruns those cells alone."""
     by_id = {it.id: it for it in items}
     cells = all_cells(res)
     keys = sorted({k for d in planned["_identity"] for k in d}) if not planned.empty else []
     finished = _Finished(cells[[c for c in ["sweep", "path", *keys] if c in cells.columns]] if not cells.empty
                          else cells, keys)
     rows = []
-    for _, c in claims.iterrows():
-        c = pd.Series({**c.to_dict(), "decider": ev.loc[c["id"], "decider"]})
-        frame = ctx.frame(c["frame"])
+    for _, c in ev.iterrows():
+        frame = contexts[c[GPU]].frame(c["frame"])
         folders = deciding_folders(frame, c)
         used = set(pd.concat([select(frame, s) for s in deciding_selections(c)]).get("path", [])) \
             if not frame.empty else set()
         inst = "=True" if c["frame"] == "trace" else "=False"
-        mine = names.get(c["id"], [])
+        mine = names.get((c["id"], c[GPU]), [])
         sweeps_of = {n: sorted(set(planned.loc[planned["item"] == n, "sweep"])) if n in by_id else [n] for n in mine}
         holding = [n for n in mine if set(sweeps_of[n]) & set(folders)]
         narrowed, whole = [], []        # rows of the deciding cells alone; of a whole experiment where none plans them
+        head = {"claim": c["id"], GPU: c[GPU], "verdict": c["verdict"]}
         for n in holding or mine:        # the experiments holding the deciding cells, else every one of the claim
-            row = {"claim": c["id"], "verdict": ev.loc[c["id"], "verdict"], "experiment": n, "gpus": exp[n]["gpus"],
+            row = {**head, "experiment": n, "gpus": exp[n]["gpus"],
                    "cells": int(exp[n]["cells"]), "deciding": c["decider"] or "every cell of the claim's selection",
                    "raw": ", ".join(f"results/raw/{f}/" for f in folders if f in sweeps_of[n]) or exp[n]["raw"],
                    "command": exp[n]["command"]}
@@ -256,8 +279,8 @@ def rerun_rows(res: Results, claims: pd.DataFrame, ev: pd.DataFrame, items, plan
             ov = merged_overrides(near)
             narrowed.append({**row, "cells": len(near),
                              "command": by_id[n].local_command(ov) if ov is not None else row["command"]})
-        rows += narrowed or whole or [{"claim": c["id"], "verdict": ev.loc[c["id"], "verdict"], "experiment": "none",
-                                       "gpus": 0, "cells": 0, "deciding": c["decider"] or "-", "raw": "", "command": ""}]
+        rows += narrowed or whole or [{**head, "experiment": "none", "gpus": 0, "cells": 0,
+                                       "deciding": c["decider"] or "-", "raw": "", "command": ""}]
     return rows
 
 
@@ -268,14 +291,18 @@ def write_rerun(rr: pd.DataFrame, out: Path) -> None:
          "Per claim, the command that reruns its deciding cells alone, on GPUs of one host (`pip install -e "
          "'.[gpu]'`); then `python -m analysis.reproduce` re-reads them. A sweep skips cells whose folder holds "
          "`metrics.json`: add `force=true` to measure again over committed ones. deciding: the configuration(s) the "
-         "verdict turns on (with its baseline); cells: the planned cells the command runs.", ""]
+         "verdict turns on (with its baseline); cells: the planned cells the command runs. A claim has a line per "
+         "GPU model it was measured on, the primary GPU model's first, each from that GPU model's cells.", ""]
     for cid, g in rr.groupby("claim", sort=False):
-        L += [f"## {cid}", "", f"**{g['verdict'].iloc[0]}**; deciding: {g['deciding'].iloc[0]}.", ""]
-        if (g["experiment"] == "none").all():
-            L += ["No experiment of the campaign or bench folder measures it.", ""]
-        for _, r in g[g["experiment"] != "none"].iterrows():
-            L += [f"- `{r['experiment']}` ({r['gpus']} GPU{'s' if int(r['gpus']) > 1 else ''}, {r['cells']} "
-                  f"cell{'s' if int(r['cells']) != 1 else ''}, into {r['raw']}):", "", "  ```", f"  {r['command']}", "  ```", ""]
+        L += [f"## {cid}", ""]
+        for gpu, h in g.groupby(GPU, sort=False):      # the primary GPU model's row first
+            L += [f"{gpu}: **{h['verdict'].iloc[0]}**; deciding: {h['deciding'].iloc[0]}.", ""]
+            if (h["experiment"] == "none").all():
+                L += ["No experiment of the campaign or bench folder measures it.", ""]
+            for _, r in h[h["experiment"] != "none"].iterrows():
+                L += [f"- `{r['experiment']}` ({r['gpus']} GPU{'s' if int(r['gpus']) > 1 else ''}, {r['cells']} "
+                      f"cell{'s' if int(r['cells']) != 1 else ''}, into {r['raw']}):", "", "  ```", f"  {r['command']}",
+                      "  ```", ""]
     (Path(out) / "tables" / "rerun.md").write_text("\n".join(L))
 
 
@@ -301,42 +328,41 @@ def _int(v):
 
 def tables(res: Results, ev: pd.DataFrame | None = None, claims: pd.DataFrame | None = None,
            campaign=None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """(claim_map: one row per claim and experiment, experiments: one row per experiment, rerun: per claim, the
-    command of its deciding cells, :func:`rerun_rows`). ``ev``: the
-    claims' evaluation (:func:`analysis.claims.evaluate`) when the caller has it already."""
+    """(claim_map: one row per claim, GPU model and experiment, experiments: one row per experiment, rerun: per
+    claim and GPU model, the command of its deciding cells, :func:`rerun_rows`). ``ev``: the claims' evaluation
+    (:func:`analysis.verdict.evaluate.evaluate`: a row per claim and GPU model) when the caller has it already."""
     claims = load_claims() if claims is None else claims
     items = load_campaign() if campaign is None else campaign
     planned = planned_frame(items)
-    ctx = Context(res)
     ev = evaluate(res, claims) if ev is None else ev
-    ev = (ev[ev["primary"]] if "primary" in ev.columns else ev).set_index("id")   # the primary GPU model's rows
+    order = {cid: i for i, cid in enumerate(claims["id"])}     # per claim, its GPU models' rows in evaluate's order
+    ev = ev[ev["id"].isin(order)].sort_values("id", key=lambda v: v.map(order), kind="stable")
+    contexts = {g: Context(only_gpu(res, g)) for g in dict.fromkeys(ev[GPU])}
     exp = {r["experiment"]: r for r in item_rows(res, items, planned)}
-    planned_sweeps = set(planned["sweep"]) if not planned.empty else set()
     feeds: dict[str, list[str]] = {}
+    names: dict[tuple[str, str], list[str]] = {}
     rows = []
-    for _, c in claims.iterrows():
-        names = claim_items(c, planned)
-        for s in claim_bench_sweeps(c, ctx, planned_sweeps):
-            if s not in exp:
-                exp[s] = bench_row(res, ctx, s)
-            names.append(s)
-        for n in names or [""]:
+    for _, c in ev.iterrows():
+        ctx = contexts[c[GPU]]
+        mine = names[(c["id"], c[GPU])] = claim_experiments(c, ctx, planned)
+        for n in mine:
+            if n not in exp:
+                exp[n] = bench_row(res, ctx, n)
+            if c["id"] not in feeds.setdefault(n, []):
+                feeds[n].append(c["id"])
+        for n in mine or [""]:
             e = exp.get(n, {})
-            if n:
-                feeds.setdefault(n, []).append(c["id"])
-            rows.append({"claim": c["id"], "verdict": ev.loc[c["id"], "verdict"], "experiment": n or "none",
+            rows.append({"claim": c["id"], GPU: c[GPU], "verdict": c["verdict"], "experiment": n or "none",
                          "command": e.get("command", ""), "gpus": e.get("gpus", np.nan),
                          "gpu_time_min": e.get("gpu_time_min", np.nan), "time_note": e.get("time_note", ""),
                          "raw": e.get("raw", ""), "read_from": c["source"]})
-    cm = pd.DataFrame(rows, columns=["claim", "verdict", "experiment", "command", "gpus", "gpu_time_min", "time_note",
-                                     "raw", "read_from"])
+    cm = pd.DataFrame(rows, columns=["claim", GPU, "verdict", "experiment", "command", "gpus", "gpu_time_min",
+                                     "time_note", "raw", "read_from"])
     ex = pd.DataFrame([{**r, "claims": ", ".join(feeds.get(r["experiment"], []))} for r in exp.values()],
                       columns=["experiment", "what", "gpus", "cells", "measured", "gpu_time_min", "time_note", "disk_mb",
                                "command", "raw", "claims"])
-    rr = pd.DataFrame(rerun_rows(res, claims, ev, items, planned, ctx, exp,
-                                 {k: [n for n in cm.loc[cm["claim"] == k, "experiment"] if n != "none"]
-                                  for k in claims["id"]}),
-                      columns=["claim", "verdict", "experiment", "gpus", "cells", "deciding", "raw", "command"])
+    rr = pd.DataFrame(rerun_rows(res, ev, items, planned, contexts, exp, names),
+                      columns=["claim", GPU, "verdict", "experiment", "gpus", "cells", "deciding", "raw", "command"])
     return cm, ex, rr
 
 
@@ -346,7 +372,8 @@ def build(res: Results, out: Path, figures: bool = True, ev: pd.DataFrame | None
     cm, ex, rr = tables(res, ev)
     digits = {"gpu_time_min": 1, "disk_mb": 1}
     write_table(cm, NAME, out, digits, title="Claim map: claim -> experiment -> command -> GPUs -> time -> output",
-                note="One row per claim and experiment that measures it (tables/experiments.md: the same per experiment). "
+                note="One row per claim, GPU model and experiment that measures it (tables/experiments.md: the same per "
+                     "experiment); gpu: the GPU model the claim's row is measured on (the primary GPU model's first). "
                      "command: runs the experiment on a machine of your own, resumable (finished cells are skipped; "
                      "on our GPU host the campaign ran through runners/gpu/sweep.sh, tables/coverage.md). gpus: GPUs of "
                      "one host. gpu_time_min: GPU minutes the experiment's cells recorded on our H200s (warm-up + "

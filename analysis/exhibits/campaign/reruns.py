@@ -4,7 +4,8 @@ throughput next to the rerun's, each with its repetitions (n) and code version; 
 forced rerun (``runners.run ... force=true``) replaced in place, its old result kept under
 ``<sweep>/.superseded/`` (``superseded_sweep`` names that folder, ``rerun_sweep`` the cell's sweep).
 
-This is where a fix's effect on measured cells is read (the one-commit headline against the
+A row is one GPU model's configuration (column ``gpu``: a configuration includes its GPU model, so the
+cells of two never pool). This is where a fix's effect on measured cells is read (the one-commit headline against the
 mixed-version cells it replaced; GraniKV's multi-prefix cells rerun after pool-aware eviction). The
 older cells stay in results/raw; every other table uses the rerun's alone.
 
@@ -18,13 +19,14 @@ import pandas as pd
 
 from analysis.clean import config_keys
 from analysis.common import THROUGHPUT, code_versions, rename_short, sort_rows, with_derived, write_table
+from analysis.gpu import GPU, with_gpu
 from analysis.load import Results
 from analysis.registry import register_exhibit
 
 
 
 NAME = "reruns"
-SHOWN = ("model.name", "tp", "hardware.name", "workload.kind", "workload.batch", "workload.prefix_len",
+SHOWN = (GPU, "model.name", "tp", "hardware.name", "workload.kind", "workload.batch", "workload.prefix_len",
          "workload.num_prefixes", "workload.prefix_lens", "system")   # the keys a row names, where they vary
 COLUMNS = ["superseded_sweep", "rerun_sweep", "n_before", "before", "code_before", "n_after", "after", "code_after",
            "after_over_before"]
@@ -32,11 +34,11 @@ COLUMNS = ["superseded_sweep", "rerun_sweep", "n_before", "before", "code_before
 
 def table(res: Results, metric: str = THROUGHPUT) -> pd.DataFrame:
     """One row per superseded configuration (a rerun sweep), then one per cell a forced rerun replaced:
-    the configuration's varying keys, then ``COLUMNS`` (``before`` / ``after``: the mean of ``metric`` over
+    the GPU model and the configuration's varying keys, then ``COLUMNS`` (``before`` / ``after``: the mean of ``metric`` over
     the older / the rerun's repetitions)."""
     parts = [t for t in (sweep_reruns(res, metric), forced_reruns(res, metric)) if not t.empty]
     if not parts:
-        return pd.DataFrame(columns=["system"] + COLUMNS)
+        return pd.DataFrame(columns=[GPU, "system"] + COLUMNS)
     t = pd.concat(parts, ignore_index=True)
     return t[[c for c in t.columns if c not in COLUMNS] + COLUMNS]
 
@@ -46,10 +48,10 @@ def forced_reruns(res: Results, metric: str = THROUGHPUT) -> pd.DataFrame:
     the cell now at its place (``after`` empty where that one is no longer loaded)."""
     if res.superseded.empty:
         return pd.DataFrame()
-    old = with_derived(res.superseded.reset_index(drop=True))
+    old = with_gpu(with_derived(res.superseded.reset_index(drop=True)))
     now = with_derived(pd.concat([res.cells, res.set_aside], ignore_index=True))
     now = now.drop_duplicates(["sweep", "cell_id"]).set_index(["sweep", "cell_id"]) if not now.empty else now
-    shown = [c for c in SHOWN if c in old.columns and (c == "system" or old[c].astype(str).nunique() > 1)]
+    shown = [c for c in SHOWN if c in old.columns and (c in (GPU, "system") or old[c].astype(str).nunique() > 1)]
     code = lambda r: str(r.get("provenance.git_commit", "unknown"))[:7]  # noqa: E731
     rows = []
     for _, r in old.iterrows():
@@ -68,12 +70,12 @@ def sweep_reruns(res: Results, metric: str = THROUGHPUT) -> pd.DataFrame:
     a = res.set_aside
     if a.empty or "superseded_by" not in a.columns or not a["superseded_by"].notna().any():
         return pd.DataFrame()
-    old = with_derived(a[a["superseded_by"].notna()].drop(columns=["capture_share", "set_aside_for"], errors="ignore")
-                       .reset_index(drop=True))
-    new = with_derived(res.cells[res.cells["sweep"].isin(set(old["superseded_by"]))].reset_index(drop=True))
+    old = with_gpu(with_derived(a[a["superseded_by"].notna()].drop(columns=["capture_share", "set_aside_for"],
+                                                                   errors="ignore").reset_index(drop=True)))
+    new = with_gpu(with_derived(res.cells[res.cells["sweep"].isin(set(old["superseded_by"]))].reset_index(drop=True)))
     old["_key"], new["_key"] = config_keys(old, res.config_columns), config_keys(new, res.config_columns)
     new = new[new["_key"].isin(set(old["_key"]))]
-    shown = [c for c in SHOWN if c in old.columns and (c == "system" or old[c].astype(str).nunique() > 1)]
+    shown = [c for c in SHOWN if c in old.columns and (c in (GPU, "system") or old[c].astype(str).nunique() > 1)]
 
     def side(df: pd.DataFrame, tag: str) -> pd.DataFrame:
         g = df.groupby("_key", sort=True)

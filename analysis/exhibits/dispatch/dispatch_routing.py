@@ -4,8 +4,11 @@ against Meff = B x Hq/Hkv, and the TPOT of the forced backends (granikv_dense_on
 granikv_cascade_only) at each Meff beside GraniKV's own (``granikv_over_best``: GraniKV's TPOT p50
 over the faster forced backend's; above 1 = the dispatcher lost time against a fixed choice).
 
+A row is one GPU model's cells (column ``gpu``): its own table's routing and its own forced backends.
+
 Writes tables/dispatch_routing.{csv,md} and figures/dispatch_routing.{png,pdf,csv} (the dense share over
-Lp x Meff with the paper's A100 rule, and the forced backends' TPOT ratio with the paper's values).
+Lp x Meff with the paper's A100 rule, and the forced backends' TPOT ratio with the paper's values; one GPU
+model, the others named under it).
 """
 from __future__ import annotations
 
@@ -17,10 +20,11 @@ import seaborn as sns
 
 from analysis.common import (GRID_B, LPS, NOT_MEASURED, aggregate, placeholder_figure, plt, save_figure, select,
                              sort_rows, write_table)
+from analysis.gpu import GPU, one_gpu, with_gpu
 from analysis.load import Results
 from analysis.measures.dispatch import with_dispatch
 from analysis.paper import paper_claims
-from analysis.plots import PAPER_LABEL, gpu_names, legend_below, lp_label, mark_paper, title_of
+from analysis.plots import PAPER_LABEL, legend_below, lp_label, mark_paper, title_of
 from analysis.registry import register_exhibit
 
 
@@ -31,13 +35,14 @@ SELECT = {"workload.kind": "=synthetic", "workload.num_prefixes": "=1", "instrum
 PAPER_THRESHOLD = 1024  # A100 Msat (Sec. 3); hardware-specific
 
 
-def draw(res: Results, m: pd.DataFrame, out: Path) -> None:
+def draw(m: pd.DataFrame, out: Path) -> None:
     """Left: the share of GraniKV's steps routed to dense over Lp x Meff (a heatmap; the paper's A100 rule
     marked); right: TPOT of the forced backends, dense-only over cascade-only, vs Meff, with the paper's
-    values. The configuration with the most cells is drawn (the others are in the table)."""
-
+    values. The first GPU model's (analysis.gpu.one_gpu) configuration with the most cells is drawn (the
+    others are in the table)."""
+    m, gpu, other_gpus = one_gpu(m)
     cfg = m["config"].value_counts().idxmax()
-    others = sorted(set(m["config"]) - {cfg})
+    others = sorted(set(m["config"]) - {cfg}) + [f"on {g}" for g in other_gpus]
     m = m[m["config"] == cfg]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11.5, 4.2), gridspec_kw={"width_ratios": [1, 1.1]})
     grid = m.pivot_table(index="workload.prefix_len", columns="meff", values="dense_fraction", aggfunc="first")
@@ -81,22 +86,21 @@ def draw(res: Results, m: pd.DataFrame, out: Path) -> None:
     a2.set_xlabel("Meff = B x Hq/Hkv (dashed: the paper's A100 threshold)")
     a2.set_ylabel("TPOT p50, dense-only / cascade-only")
     a2.set_title("forced backends", fontsize=9)
-    cells = select(with_dispatch(res.cells), SELECT) if not res.cells.empty else res.cells
-    fig.suptitle(title_of("Per-step dispatch, synthetic grid", gpu_names(cells), [cfg]), fontsize=10)
+    fig.suptitle(title_of("Per-step dispatch, synthetic grid", gpu, [cfg]), fontsize=10)
     if others:
         fig.text(0.5, -0.2, "also measured (in the table): " + ", ".join(others), ha="center", va="top", fontsize=8)
     fig.tight_layout()
     legend_below(fig, [a2], (0.75, 0.0), ncol=2)
-    save_figure(fig, NAME, out, data=m[["config", "workload.prefix_len", "workload.batch", "meff", "dense_fraction",
-                                        "tpot_dense_over_cascade"]])
+    save_figure(fig, NAME, out, data=m[["config", GPU, "workload.prefix_len", "workload.batch", "meff",
+                                        "dense_fraction", "tpot_dense_over_cascade"]])
 
 
 @register_exhibit(NAME, figures=FIGURES)
 def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     """Write this module's table (and, unless ``figures`` is False, its figures); return the table."""
     df = with_dispatch(res.cells)
-    df = select(df, SELECT) if not df.empty else df
-    keys = ["config", "workload.prefix_len", "workload.batch", "meff"]
+    df = with_gpu(select(df, SELECT)) if not df.empty else df
+    keys = ["config", "workload.prefix_len", "workload.batch", "meff", GPU]
     rows = []
     if not df.empty:
         g = select(df, {"system": "=granikv"})
@@ -135,5 +139,5 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     if m.empty:
         placeholder_figure(NAME, out, "no synthetic-grid GraniKV / forced-backend cells")
         return t
-    draw(res, m, out)
+    draw(m, out)
     return t

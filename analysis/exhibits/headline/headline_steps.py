@@ -13,6 +13,8 @@ From each headline cell's trace (steps.jsonl, measured steps only; warm-up exclu
   ``cuda_graph_max_bs``), where host launch cost is not hidden;
 - ``*_vs_sglang_default``: the same quantity over sglang_default's in the same configuration.
 
+A row is one GPU model's cells (column ``gpu``): two GPU models are never averaged.
+
 Writes tables/headline_steps.{csv,md}. No figure.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.common import LPS, PAPER_CONFIG_LABELS, sort_rows, system_table, write_table
+from analysis.gpu import GPU
 from analysis.load import Results
 from analysis.measures.steps import FULL, KEYS, SELECT, breakdown
 from analysis.registry import register_exhibit
@@ -41,7 +44,8 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     with its status there and the breakdown where measured; return the table."""
     grid = system_table(res.cells, res.config_columns, SELECT, ["config", "workload.prefix_len"],
                         expected={"config": PAPER_CONFIG_LABELS, "workload.prefix_len": LPS})
-    grid = grid[["config", "workload.prefix_len", "system", "status"]].rename(columns={"system": "system.name"})
+    grid = grid.reindex(columns=["config", "workload.prefix_len", GPU, "system", "status"])    # gpu: none without cells
+    grid = grid.rename(columns={"system": "system.name"})
     b = breakdown(res)
     if not b.empty:
         b = b.astype({"workload.prefix_len": grid["workload.prefix_len"].dtype})

@@ -12,6 +12,9 @@ not an end-to-end measurement. ``measured_profiled_steps`` gives that step-time 
 config, next to the plain-cell one where both exist (a cross-check of the substitute). The paper:
 the prediction overshoots the measurement in all three configs.
 
+One row per config and GPU model (column ``gpu``), each from that GPU model's cells and kernel rows alone;
+the figure draws a panel per GPU model.
+
 Writes tables/amdahl.{csv,md} and figures/amdahl.{png,pdf}.
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ import pandas as pd
 
 from analysis.common import (NOT_MEASURED, PAPER_CONFIG_LABELS, placeholder_figure, plt, save_figure, select, sort_rows,
                              with_derived, write_table)
+from analysis.gpu import GPU, ordered
 from analysis.load import Results
 from analysis.measures.amdahl import CELL, amdahl_frame
 from analysis.plots import gpu_names, legend_below, title_of
@@ -41,7 +45,7 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     have = set(t["config"]) if not t.empty else set()
     missing = pd.DataFrame([{"config": c, "status": f"{NOT_MEASURED}: no profiled sglang_default cell at B=256, Lp=8K"}
                             for c in PAPER_CONFIG_LABELS if c not in have])
-    t = sort_rows(pd.concat([t, missing], ignore_index=True) if not missing.empty else t, ["config"])
+    t = sort_rows(pd.concat([t, missing], ignore_index=True) if not missing.empty else t, ["config", GPU])
     write_table(t, NAME, out, {"f_attention_share": 3, "s_paper": 1, "s_ours": 2, "predicted_paper_s": 2,
                                "predicted_our_s": 2, "measured": 2, "measured_profiled_steps": 2},
                 title="Amdahl prediction vs measured end-to-end speed-up (B=256, Lp=8K)")
@@ -51,25 +55,29 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     if m.empty:
         placeholder_figure(NAME, out, "needs a profiled sglang_default cell and a granikv/sglang_default pair")
         return t
-    fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    x = np.arange(len(m))
+    gpus = ordered(m[GPU])
+    fig, axes = plt.subplots(len(gpus), 1, figsize=(6.4, 0.4 + 3.4 * len(gpus)), sharey=True, squeeze=False)
     bars = [("predicted_paper_s", "Amdahl, s=15.6 (the paper's kernel speed-up)", -0.27),
             ("predicted_our_s", "Amdahl, our kernel speed-up s", 0.0), ("measured", "measured end to end", 0.27)]
-    for col, lab, dx in bars:
-        v = pd.to_numeric(m[col], errors="coerce")
-        ax.bar(x + dx, v.fillna(0), 0.27, label=lab)
-        for xi, vi in zip(x + dx, v):
-            if np.isfinite(vi):
-                ax.text(xi, vi, f"{vi:.2f}", ha="center", va="bottom", fontsize=7)
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xticks(x, [f"{c}\n({src})" for c, src in zip(m["config"], m["measured_from"])], fontsize=7)
-    ax.set_ylabel("GraniKV speed-up over sglang_default")
+    for ax, gpu in zip(axes[:, 0], gpus):       # a panel per GPU model, each from its own cells
+        g = m[m[GPU] == gpu]
+        x = np.arange(len(g))
+        for col, lab, dx in bars:
+            v = pd.to_numeric(g[col], errors="coerce")
+            ax.bar(x + dx, v.fillna(0), 0.27, label=lab)
+            for xi, vi in zip(x + dx, v):
+                if np.isfinite(vi):
+                    ax.text(xi, vi, f"{vi:.2f}", ha="center", va="bottom", fontsize=7)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xticks(x, [f"{c}\n({src})" for c, src in zip(g["config"], g["measured_from"])], fontsize=7)
+        ax.set_ylabel("GraniKV speed-up over sglang_default")
+        ax.set_title(gpu, fontsize=9)
     cells = with_derived(res.cells)
     cells = select(cells, CELL) if not cells.empty else cells
-    ax.set_title(title_of("Amdahl vs measured (B=256, Lp=8K; f = profiled prefix-attention share)", gpu_names(cells),
-                          list(m["config"])), fontsize=9)
+    fig.suptitle(title_of("Amdahl vs measured (B=256, Lp=8K; f = profiled prefix-attention share)", gpu_names(cells),
+                          list(dict.fromkeys(m["config"]))), fontsize=9)
     fig.tight_layout()
-    legend_below(fig, [ax], ncol=3)
-    save_figure(fig, NAME, out, data=m[["config", "f_attention_share", "s_paper", "s_ours", "predicted_paper_s",
+    legend_below(fig, list(axes[:, 0]), ncol=3)
+    save_figure(fig, NAME, out, data=m[["config", GPU, "f_attention_share", "s_paper", "s_ours", "predicted_paper_s",
                                         "predicted_our_s", "measured", "measured_from"]])
     return t

@@ -8,6 +8,9 @@ From each Chrome-format trace we sum, over GPU kernel events (``ph == "X"``, cat
 ``ATTENTION_KERNEL`` (FlashInfer decode / prefill / merge-state kernels). ``share`` = attention
 time / all kernel time: the Amdahl fraction f.
 
+A row is one GPU model's traces (column ``gpu``), over that GPU model's SGLang default; the figure draws a row
+of panels per GPU model.
+
 Writes tables/profiler.{csv,md} and figures/profiler.{png,pdf}.
 """
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.common import NOT_MEASURED, identity, placeholder_figure, plt, save_figure, sort_rows, write_table
+from analysis.gpu import GPU, gpu_names as gpu_column, ordered, with_gpu
 from analysis.load import Results
 from analysis.measures.traces import eager_steps, trace_frame
 from analysis.paper import paper_claims
@@ -35,12 +39,13 @@ B3_POINT = {"workload.prefix_len": 8192, "workload.batch": 256}
 def graph_traces(tf: pd.DataFrame) -> pd.DataFrame:
     """Where a configuration has traces of CUDA-graph decode steps, those alone: its traces of eager steps
     (``hardware.cuda_graph_max_bs=0``, run for their prefix / suffix split) feed
-    analysis.distance_to_limit's breakdown instead. A configuration traced only eagerly (a CPU run) keeps them."""
+    analysis.distance_to_limit's breakdown instead. A configuration traced only eagerly (a CPU run) keeps them;
+    a configuration is one GPU model's."""
     if tf.empty:
         return tf
     eager = eager_steps(tf)
     key = ["config", "system", "workload.prefix_len", "workload.batch"]
-    has_graph = (~eager).groupby([tf[k].astype(str) for k in key]).transform("any")
+    has_graph = (~eager).groupby([tf[k].astype(str) for k in key] + [gpu_column(tf)]).transform("any")
     return tf[~(eager & has_graph)]
 
 
@@ -52,38 +57,42 @@ def at_b3_point(t: pd.DataFrame) -> pd.DataFrame:
 
 
 def draw(m: pd.DataFrame, tf: pd.DataFrame, out: Path) -> None:
-    """Left: prefix-attention kernel time per system and configuration; right: sglang_default's over each
-    system's, with the paper's SGLang-Cascade values."""
+    """Per GPU model, a row of two panels: left, prefix-attention kernel time per system and configuration;
+    right, sglang_default's over each system's, with the paper's SGLang-Cascade values."""
     configs = sorted(m["config"].dropna().unique())
     systems = system_order(m["system"].unique())
     colors = system_colors(systems)
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 0.5 * len(configs) * len(systems) / 2 + 2.4))
+    gpus = ordered(m[GPU])
+    fig, axes = plt.subplots(len(gpus), 2, figsize=(11, len(gpus) * (0.5 * len(configs) * len(systems) / 2 + 2.2) + 0.2),
+                             squeeze=False, sharex="col")      # the GPU models on one axis per panel column
     h = 0.8 / len(systems)
-    for j, s_ in enumerate(systems):
-        g = m[m["system"] == s_].set_index("config")
-        ys = [i - 0.4 + h * (j + 0.5) for i in range(len(configs))]
-        a1.barh(ys, [float(g["attention_ms"].get(c, np.nan)) for c in configs], h, color=colors[s_], label=s_)
-        if s_ != "sglang_default":
-            a2.barh(ys, [float(g["default_over_system"].get(c, np.nan)) for c in configs], h, color=colors[s_],
-                    label=s_)
     pc = paper_claims(["profiler_cascade_llama8b", "profiler_cascade_qwen32b"])
-    first = True
     others = [s_ for s_ in systems if s_ != "sglang_default"]
-    for _, p in pc.iterrows():
-        if p["config"] in configs and p["system"] in others:
-            j = systems.index(p["system"])
-            mark_paper(a2, p["value"], configs.index(p["config"]) - 0.4 + h * (j + 0.5), label=first)
-            first = False
-    for ax in (a1, a2):
-        ax.set_yticks(range(len(configs)), configs, fontsize=8)
-        ax.invert_yaxis()
-    a2.axvline(1.0, color="grey", lw=0.8, ls="--")
-    a1.set_xlabel("prefix-attention kernel time in the profiled window (ms)")
-    a2.set_xlabel("sglang_default's prefix-attention time / this system's")
+    first = True
+    for (a1, a2), gpu in zip(axes, gpus):
+        for j, s_ in enumerate(systems):
+            g = m[(m["system"] == s_) & (m[GPU] == gpu)].set_index("config")
+            ys = [i - 0.4 + h * (j + 0.5) for i in range(len(configs))]
+            a1.barh(ys, [float(g["attention_ms"].get(c, np.nan)) for c in configs], h, color=colors[s_], label=s_)
+            if s_ != "sglang_default":
+                a2.barh(ys, [float(g["default_over_system"].get(c, np.nan)) for c in configs], h, color=colors[s_],
+                        label=s_)
+        for _, p in pc.iterrows():
+            if p["config"] in configs and p["system"] in others:
+                j = systems.index(p["system"])
+                mark_paper(a2, p["value"], configs.index(p["config"]) - 0.4 + h * (j + 0.5), label=first)
+                first = False
+        for ax in (a1, a2):
+            ax.set_yticks(range(len(configs)), configs, fontsize=8)
+            ax.invert_yaxis()
+        a2.axvline(1.0, color="grey", lw=0.8, ls="--")
+        a1.set_title(gpu, fontsize=9)
+        a1.set_xlabel("prefix-attention kernel time in the profiled window (ms)")
+        a2.set_xlabel("sglang_default's prefix-attention time / this system's")
     fig.suptitle(title_of("torch.profiler, B=256, Lp=8K (rank 0's trace)", gpu_names(tf), configs), fontsize=10)
     fig.tight_layout()
-    legend_below(fig, [a1, a2], ncol=5)
-    save_figure(fig, NAME, out, data=m[["config", "system", "n", "attention_ms", "kernel_ms", "share",
+    legend_below(fig, list(axes.flat), ncol=5)
+    save_figure(fig, NAME, out, data=m[["config", GPU, "system", "n", "attention_ms", "kernel_ms", "share",
                                         "default_over_system"]])
 
 
@@ -93,16 +102,18 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     tf = graph_traces(trace_frame(res))
     dims = ["config", "workload.prefix_len", "workload.batch", "system"]
     if tf.empty:
-        t = pd.DataFrame([{"config": c, "status": NOT_MEASURED} for c in PROFILED_CONFIGS])
+        t = pd.DataFrame([{"config": c, GPU: None, "status": NOT_MEASURED} for c in PROFILED_CONFIGS])
         write_table(t, NAME, out, title="Profiler: prefix-attention kernel time (B=256, Lp=8K)",
                     note="No serving cell with profile_steps > 0 and a trace.json (sweep=profiler).")
         if not figures:
             return t
         placeholder_figure(NAME, out, "no torch.profiler traces")
         return t
+    tf = with_gpu(tf)
+    # the GPU model always (a row is one GPU model's), and every other config key that varies
     extra = [c for c in identity(tf, res.config_columns) if c not in ("model.name", "tp", "workload.prefix_len",
                                                                       "workload.batch") and not c.startswith(("system.", "model."))
-             and tf[c].astype(str).nunique() > 1]
+             and (c == GPU or tf[c].astype(str).nunique() > 1)]
     keys = dims[:-1] + extra
     g = tf.groupby(keys + ["system"], dropna=False, sort=True)
     t = g.agg(n=("source", "count"), attention_ms=("attention_ms", "mean"), kernel_ms=("kernel_ms", "mean"),

@@ -11,7 +11,10 @@ arrive before any queue forms, each from the moment it was sent: the fixed cost 
 and detokenizer hops; the engine's none), apart from queueing. Real SGLang's times are taken at its HTTP client (streamed tokens), ours
 inside the engine; both through granikv.metrics.
 
-Writes tables/engine_fidelity.{csv,md} and figures/engine_fidelity.{png,pdf,csv}.
+A row is one GPU model's cells (column ``gpu``): every system at a point is compared on the same GPU model,
+and a planned point without a cell on any GPU model is a not-measured row without one.
+
+Writes tables/engine_fidelity.{csv,md} and figures/engine_fidelity.{png,pdf,csv} (a row of panels per GPU model).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import pandas as pd
 
 from analysis.common import (LPS, NOT_MEASURED, THROUGHPUT, aggregate, placeholder_figure, save_figure, select,
                              sort_rows, with_derived, write_table)
+from analysis.gpu import GPU, ordered, with_gpu
 from analysis.load import Results, TOKEN_LISTS, read_rows
 from analysis.measures.sglang import plugin_counters as in_sglang_counters, prefer_current
 from analysis.plots import gpu_names, lp_axis, system_colors, title_of
@@ -37,6 +41,7 @@ PLUGIN = "sglang_server_granikv"   # GraniKV inside real SGLang (granikv.sglang_
 MODEL = "llama3_8b"
 SELECT = {"tp": "=1", "workload.num_prefixes": "=1", "instrumented": "=False"}
 KEYS = ["workload.kind", "workload.arrival", "workload.prefix_len", "workload.batch"]
+ROW = KEYS + [GPU]       # a row: one point on one GPU model
 TARGET = 0.10
 METRICS = {THROUGHPUT: "tok_s", "tpot_p50_ms": "tpot_p50_ms", "ttft_p50_ms": "ttft_p50_ms",
            "ttft_first5_ms": "ttft_first5_ms"}
@@ -57,9 +62,10 @@ def first_ttft_ms(cell: Path, n: int = FIRST) -> float:
 
 
 def fidelity_table(res: Results, model: str = MODEL) -> pd.DataFrame:
-    """One row per (workload, arrival, Lp, B) of ``model`` with a real-SGLang cell (see the module docstring)."""
+    """One row per (workload, arrival, Lp, B) and GPU model of ``model`` with a real-SGLang cell (see the module
+    docstring)."""
     cells = res.cells
-    cols = [*KEYS, "n_real", "n_ours", "n_granikv", "real_tok_s", "real_min", "real_max", "ours_tok_s",
+    cols = [*ROW, "n_real", "n_ours", "n_granikv", "real_tok_s", "real_min", "real_max", "ours_tok_s",
             "ours/real", "within_10pct", "real_tpot_p50_ms", "ours_tpot_p50_ms", "tpot ours/real",
             "real_ttft_p50_ms", "ours_ttft_p50_ms", "ttft ours/real", "real_ttft_first5_ms", "ours_ttft_first5_ms",
             "granikv_tok_s", "granikv/real", "n_plugin", "plugin_tok_s", "plugin/real", "plugin_dense_rows",
@@ -68,15 +74,15 @@ def fidelity_table(res: Results, model: str = MODEL) -> pd.DataFrame:
     if cells.empty:
         return pd.DataFrame(missing, columns=cols)
     # the plugin's cells with today's settings where a point has them (never pooled across settings)
-    df = select(prefer_current(with_derived(cells), res.config_columns), {**SELECT, "model.name": f"={model}"})
+    df = select(prefer_current(with_gpu(with_derived(cells)), res.config_columns), {**SELECT, "model.name": f"={model}"})
     df = df[df["system"].isin((REAL, OURS, GRANIKV, PLUGIN))]
     if df.empty or not (df["system"] == REAL).any():
         return pd.DataFrame(missing, columns=cols)
     df = df.assign(ttft_first5_ms=[first_ttft_ms(Path(res.root) / p) for p in df["path"]])
     per = {}
     for m in METRICS:
-        a = aggregate(df, KEYS + ["system"], m)
-        per[m] = {(tuple(r[k] for k in KEYS), r["system"]): r for r in a.to_dict("records")}
+        a = aggregate(df, ROW + ["system"], m)
+        per[m] = {(tuple(r[k] for k in ROW), r["system"]): r for r in a.to_dict("records")}
     thr = per[THROUGHPUT]
     rows = []
     for key in {k for k, s in thr if s == REAL}:
@@ -92,7 +98,7 @@ def fidelity_table(res: Results, model: str = MODEL) -> pd.DataFrame:
         pl = get(THROUGHPUT, PLUGIN)
         pc = plugin_counters(df, key)
         ratio = ours / real
-        rows.append({**dict(zip(KEYS, key)), "n_real": n(REAL), "n_ours": n(OURS), "n_granikv": n(GRANIKV),
+        rows.append({**dict(zip(ROW, key)), "n_real": n(REAL), "n_ours": n(OURS), "n_granikv": n(GRANIKV),
                      "real_tok_s": real, "real_min": get(THROUGHPUT, REAL, "min"), "real_max": get(THROUGHPUT, REAL, "max"),
                      "ours_tok_s": ours, "ours/real": ratio,
                      "within_10pct": (NOT_MEASURED if np.isnan(ratio) else "yes" if abs(ratio - 1) <= TARGET else "no"),
@@ -105,60 +111,66 @@ def fidelity_table(res: Results, model: str = MODEL) -> pd.DataFrame:
                      "plugin/real": pl / real, **pc, "status": "measured"})
     seen = {tuple(r[k] for k in KEYS) for r in rows}
     rows += [m for m in missing if tuple(m[k] for k in KEYS) not in seen]
-    return sort_rows(pd.DataFrame(rows, columns=cols), KEYS)
+    return sort_rows(pd.DataFrame(rows, columns=cols), ROW)
 
 
 def plugin_counters(df: pd.DataFrame, key: tuple) -> dict:
-    """The plugin's own counters over its cells of ``key`` (analysis.in_sglang.plugin_counters): the
+    """The plugin's own counters over its cells of ``key`` (ROW's values; analysis.in_sglang.plugin_counters): the
     share of decode rows whose prefix went dense, and host microseconds per planned step (the whole
     plan, and the dispatcher's choices alone). NaN where no plugin cell recorded them."""
     rows = df[(df["system"] == PLUGIN)]
-    for k, v in zip(KEYS, key):
+    for k, v in zip(ROW, key):
         rows = rows[rows[k] == v]
     c = in_sglang_counters(rows)
     return {"plugin_dense_rows": c["rows_dense"], "plugin_plan_us": c["plan_us"], "plugin_dispatch_us": c["dispatch_us"]}
 
 
 def draw(t: pd.DataFrame, res: Results, out: Path) -> None:
+    """Per GPU model, a row of two panels: throughput of real SGLang, our sglang_default, GraniKV (and the
+    plugin) against Lp on the headline workload, and their ratios to real SGLang."""
     h = t[(t["workload.kind"] == "sharegpt") & (t["status"] == "measured")] if not t.empty else t
     if h.empty:
         placeholder_figure(NAME, out, "no sglang_server cells on the headline workload")
         return
-    h = h.sort_values("workload.prefix_len")
-    x = h["workload.prefix_len"].astype(int)
+    h = h.sort_values(ROW)
     col = system_colors([REAL, OURS, GRANIKV])
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    gpus = ordered(h[GPU])
+    fig, axes = plt.subplots(len(gpus), 2, figsize=(11, 0.3 + 3.7 * len(gpus)), squeeze=False, sharey="col")
     cells = select(with_derived(res.cells), {"system": f"={REAL}"})
     versions = sorted({str(v) for v in cells.get("provenance.sglang", pd.Series(dtype=object)).dropna()})
-    a.errorbar(x, h["real_tok_s"], yerr=[h["real_tok_s"] - h["real_min"], h["real_max"] - h["real_tok_s"]],
-               marker="o", color=col[REAL], label=f"real SGLang {'/'.join(versions) or '?'} (sglang_server)", capsize=3)
-    a.plot(x, h["ours_tok_s"], marker="s", ls="--", color=col[OURS], label="our engine: sglang_default")
-    a.plot(x, h["granikv_tok_s"], marker="^", color=col[GRANIKV], label="our engine: granikv")
-    hp = h[h["n_plugin"] > 0]
-    if not hp.empty:
-        a.plot(hp["workload.prefix_len"].astype(int), hp["plugin_tok_s"], marker="D", ls=":", color=col[GRANIKV],
-               label="granikv inside real SGLang (plugin)")
-    a.set_ylabel("output tok/s")
-    a.set_xlabel("shared prefix Lp (tokens)")
-    lp_axis(a, x)
-    a.legend(fontsize=8)
-    a.set_title("throughput (mean; bars: real SGLang's min-max)", fontsize=9)
-    b.axhspan(1 - TARGET, 1 + TARGET, color="0.9", label="±10% of real SGLang")
-    b.axhline(1.0, color="0.5", lw=0.8)
-    b.plot(x, h["ours/real"], marker="s", ls="--", color=col[OURS], label="sglang_default / real SGLang")
-    b.plot(x, h["granikv/real"], marker="^", color=col[GRANIKV], label="granikv / real SGLang")
-    if not hp.empty:
-        b.plot(hp["workload.prefix_len"].astype(int), hp["plugin/real"], marker="D", ls=":", color=col[GRANIKV],
-               label="granikv in SGLang / real SGLang")
-    b.set_ylabel("output throughput / real SGLang")
-    b.set_xlabel("shared prefix Lp (tokens)")
-    lp_axis(b, x)
-    b.legend(fontsize=8)
-    b.set_title("ratio to real SGLang", fontsize=9)
+    for (a, b), gpu in zip(axes, gpus):
+        g = h[h[GPU] == gpu]
+        x = g["workload.prefix_len"].astype(int)
+        a.errorbar(x, g["real_tok_s"], yerr=[g["real_tok_s"] - g["real_min"], g["real_max"] - g["real_tok_s"]],
+                   marker="o", color=col[REAL], label=f"real SGLang {'/'.join(versions) or '?'} (sglang_server)",
+                   capsize=3)
+        a.plot(x, g["ours_tok_s"], marker="s", ls="--", color=col[OURS], label="our engine: sglang_default")
+        a.plot(x, g["granikv_tok_s"], marker="^", color=col[GRANIKV], label="our engine: granikv")
+        gp = g[g["n_plugin"] > 0]
+        if not gp.empty:
+            a.plot(gp["workload.prefix_len"].astype(int), gp["plugin_tok_s"], marker="D", ls=":", color=col[GRANIKV],
+                   label="granikv inside real SGLang (plugin)")
+        a.set_ylabel("output tok/s")
+        a.set_xlabel("shared prefix Lp (tokens)")
+        lp_axis(a, x)
+        a.legend(fontsize=8)
+        a.set_title(f"{gpu}: throughput (mean; bars: real SGLang's min-max)", fontsize=9)
+        b.axhspan(1 - TARGET, 1 + TARGET, color="0.9", label="±10% of real SGLang")
+        b.axhline(1.0, color="0.5", lw=0.8)
+        b.plot(x, g["ours/real"], marker="s", ls="--", color=col[OURS], label="sglang_default / real SGLang")
+        b.plot(x, g["granikv/real"], marker="^", color=col[GRANIKV], label="granikv / real SGLang")
+        if not gp.empty:
+            b.plot(gp["workload.prefix_len"].astype(int), gp["plugin/real"], marker="D", ls=":", color=col[GRANIKV],
+                   label="granikv in SGLang / real SGLang")
+        b.set_ylabel("output throughput / real SGLang")
+        b.set_xlabel("shared prefix Lp (tokens)")
+        lp_axis(b, x)
+        b.legend(fontsize=8)
+        b.set_title(f"{gpu}: ratio to real SGLang", fontsize=9)
     fig.suptitle(title_of("Engine fidelity, headline (ShareGPT + shared prefix, B=256)", gpu_names(cells),
                           ["Llama-3.1-8B TP=1"]), fontsize=10)
     fig.tight_layout()
-    save_figure(fig, NAME, out, data=h[["workload.prefix_len", "real_tok_s", "real_min", "real_max", "ours_tok_s",
+    save_figure(fig, NAME, out, data=h[["workload.prefix_len", GPU, "real_tok_s", "real_min", "real_max", "ours_tok_s",
                                         "granikv_tok_s", "plugin_tok_s", "ours/real", "granikv/real", "plugin/real"]])
 
 

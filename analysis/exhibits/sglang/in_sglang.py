@@ -6,9 +6,10 @@ attention backends (``granikv.sglang_plugin``, breakable decode CUDA graphs): ``
 its radix cache backend). In the engine: ``sglang_default``, ``sglang_cascade``, ``hydragen``,
 ``granikv``. Same request sets, same replay client.
 
-Rows: per cell set and system (the paper's name), Llama-3.1-8B TP=1, B=256:
+Rows: per cell set, GPU model (column ``gpu``: every ratio is over the same GPU model's SGLang default, two
+GPU models never pool) and system (the paper's name), Llama-3.1-8B TP=1, B=256:
 - ``headline``: ShareGPT with one shared prefix, Lp 512 / 2K / 8K / 16K (every other Lp with an
-  in-SGLang plugin cell too), the H200's KV budget;
+  in-SGLang plugin cell too), the GPU model's own KV budget (its preset, h200 or h100);
 - ``hetero k=4``: heterogeneous multi-prefix (2K, 4K, 8K, 16K), burst, the A100-40GB KV budget.
 
 Columns: ``cascade_impl`` (the SGLang-Cascade row: the GPU path it ran inside SGLang; the engine's
@@ -20,7 +21,7 @@ rows by path, and the host time per planned decode step, whole (``plan_us``: pre
 list + step plan + FlashInfer's plan calls) and by stage. A counter the cell did not record (an
 older cell without the stage split, or a run whose counter file was never rewritten) is NaN.
 
-Writes tables/in_sglang.{csv,md} and figures/in_sglang.{png,pdf,csv}.
+Writes tables/in_sglang.{csv,md} and figures/in_sglang.{png,pdf,csv} (one GPU model, the others named).
 """
 from __future__ import annotations
 
@@ -31,10 +32,11 @@ import pandas as pd
 
 from analysis.common import (NOT_MEASURED, THROUGHPUT, aggregate, placeholder_figure, plt, save_figure, select,
                              sort_rows, with_derived, write_table)
+from analysis.gpu import GPU, gpu_names, one_gpu, ordered, with_gpu
 from analysis.load import Results
 from analysis.measures.sglang import BASE, PATHS, STAGES, SYSTEMS, VARIANTS, plugin_counters, variant_keys
 from analysis.paper import paper_claims
-from analysis.plots import gpu_names, legend_below, lp_axis, mark_paper, suptitle, system_colors, title_of
+from analysis.plots import legend_below, lp_axis, mark_paper, suptitle, system_colors, title_of
 from analysis.registry import register_exhibit
 
 
@@ -42,11 +44,11 @@ from analysis.registry import register_exhibit
 NAME = "in_sglang"
 FIGURES = (NAME,)
 COMMON = {"model.name": "=llama3_8b", "tp": "=1", "workload.batch": "=256", "instrumented": "=False"}
-SETS = {"headline": {"workload.kind": "=sharegpt", "workload.num_prefixes": "=1", "hardware.name": "=h200"},
+SETS = {"headline": {"workload.kind": "=sharegpt", "workload.num_prefixes": "=1", "hardware.name": "=h200|h100"},
         "hetero k=4": {"workload.kind": "=multiprefix", "workload.prefix_lens": "=notnull",
                        "workload.num_prefixes": "=4", "hardware.name": "=a100_40gb"}}
 HEADLINE_LPS = (512, 2048, 8192, 16384)      # the Lp every in-SGLang system is planned at
-COLS = ["set", "workload.prefix_len", "system", "cascade_impl", "decode_plan", "n_sglang", "sglang_tok_s", "sglang_x", "n_engine", "engine_tok_s",
+COLS = ["set", GPU, "workload.prefix_len", "system", "cascade_impl", "decode_plan", "n_sglang", "sglang_tok_s", "sglang_x", "n_engine", "engine_tok_s",
         "engine_x", "sglang_itl_p50_ms", "sglang_ttft_p50_ms", *[f"rows_{p}" for p in PATHS], "plan_us",
         *[f"{s}_us" for s in STAGES], "status"]
 
@@ -57,34 +59,42 @@ def _mean(df: pd.DataFrame, system: str, metric: str) -> tuple[float, int]:
 
 
 def in_sglang_table(res: Results) -> pd.DataFrame:
-    """One row per (cell set, Lp, paper system); ``not measured`` rows for planned points without a cell."""
-    cells = with_derived(res.cells) if not res.cells.empty else res.cells
+    """One row per (cell set, GPU model, Lp, paper system); ``not measured`` rows for planned points without a
+    cell (per GPU model with cells in the set; without a GPU model where the set has none)."""
+    cells = with_gpu(with_derived(res.cells)) if not res.cells.empty else res.cells
     rows = []
     for name, sel in SETS.items():
         df = select(cells, {**COMMON, **sel}) if not cells.empty else cells
-        plugin = {s for s, _ in SYSTEMS.values()} - {SYSTEMS[BASE][0]}
-        lps = set(HEADLINE_LPS) if name == "headline" else set()
-        if not df.empty:
-            lps |= {int(v) for v in df[df["system"].isin(plugin)]["workload.prefix_len"].dropna()}
-        if not lps:
-            rows += [{"set": name, "system": p, "n_sglang": 0, "status": NOT_MEASURED} for p in SYSTEMS]
-            continue
-        for lp in sorted(lps):
-            at = df[df["workload.prefix_len"] == lp] if not df.empty else df
-            real = _mean(at, SYSTEMS[BASE][0], THROUGHPUT)[0] if not at.empty else np.nan
-            eng_base = _mean(at, SYSTEMS[BASE][1], THROUGHPUT)[0] if not at.empty else np.nan
-            for paper, (in_sgl, eng) in SYSTEMS.items():
-                e_tok, n_e = _mean(at, eng, THROUGHPUT) if not at.empty else (np.nan, 0)
-                ours = at[at["system"] == in_sgl] if not at.empty else at
-                for var, mine in variants(ours, paper):
-                    s_tok, n_s = _mean(mine, in_sgl, THROUGHPUT) if not mine.empty else (np.nan, 0)
-                    rows.append({"set": name, "workload.prefix_len": lp, "system": paper, **var,
-                                 "n_sglang": n_s, "sglang_tok_s": s_tok, "sglang_x": s_tok / real, "n_engine": n_e,
-                                 "engine_tok_s": e_tok, "engine_x": e_tok / eng_base,
-                                 "sglang_itl_p50_ms": _mean(mine, in_sgl, "itl_p50_ms")[0] if n_s else np.nan,
-                                 "sglang_ttft_p50_ms": _mean(mine, in_sgl, "ttft_p50_ms")[0] if n_s else np.nan,
-                                 **plugin_counters(mine), "status": "measured" if n_s else NOT_MEASURED})
-    return sort_rows(pd.DataFrame(rows, columns=COLS), ["set", "workload.prefix_len", "system", *VARIANTS])
+        for gpu in (ordered(df[GPU]) if not df.empty else [None]):
+            rows += set_rows(name, df[df[GPU] == gpu] if gpu else df, gpu)
+    return sort_rows(pd.DataFrame(rows, columns=COLS), ["set", GPU, "workload.prefix_len", "system", *VARIANTS])
+
+
+def set_rows(name: str, df: pd.DataFrame, gpu: str | None) -> list[dict]:
+    """The rows of cell set ``name`` from ``df``, its cells on one GPU model ``gpu`` (None: no cell)."""
+    plugin = {s for s, _ in SYSTEMS.values()} - {SYSTEMS[BASE][0]}
+    lps = set(HEADLINE_LPS) if name == "headline" else set()
+    if not df.empty:
+        lps |= {int(v) for v in df[df["system"].isin(plugin)]["workload.prefix_len"].dropna()}
+    if not lps:
+        return [{"set": name, GPU: gpu, "system": p, "n_sglang": 0, "status": NOT_MEASURED} for p in SYSTEMS]
+    rows = []
+    for lp in sorted(lps):
+        at = df[df["workload.prefix_len"] == lp] if not df.empty else df
+        real = _mean(at, SYSTEMS[BASE][0], THROUGHPUT)[0] if not at.empty else np.nan
+        eng_base = _mean(at, SYSTEMS[BASE][1], THROUGHPUT)[0] if not at.empty else np.nan
+        for paper, (in_sgl, eng) in SYSTEMS.items():
+            e_tok, n_e = _mean(at, eng, THROUGHPUT) if not at.empty else (np.nan, 0)
+            ours = at[at["system"] == in_sgl] if not at.empty else at
+            for var, mine in variants(ours, paper):
+                s_tok, n_s = _mean(mine, in_sgl, THROUGHPUT) if not mine.empty else (np.nan, 0)
+                rows.append({"set": name, GPU: gpu, "workload.prefix_len": lp, "system": paper, **var,
+                             "n_sglang": n_s, "sglang_tok_s": s_tok, "sglang_x": s_tok / real, "n_engine": n_e,
+                             "engine_tok_s": e_tok, "engine_x": e_tok / eng_base,
+                             "sglang_itl_p50_ms": _mean(mine, in_sgl, "itl_p50_ms")[0] if n_s else np.nan,
+                             "sglang_ttft_p50_ms": _mean(mine, in_sgl, "ttft_p50_ms")[0] if n_s else np.nan,
+                             **plugin_counters(mine), "status": "measured" if n_s else NOT_MEASURED})
+    return rows
 
 
 def variants(ours: pd.DataFrame, paper: str) -> list[tuple[dict, pd.DataFrame]]:
@@ -129,15 +139,17 @@ def _series(h: pd.DataFrame) -> tuple[list, list]:
     return sorted(main, key=lambda x: order.get(x[1], 99)), sorted(other, key=lambda x: order.get(x[1], 99))
 
 
-def draw(t: pd.DataFrame, res: Results, out: Path) -> None:
+def draw(t: pd.DataFrame, out: Path) -> None:
     """Headline: output tok/s in SGLang and in the engine (one panel each, one y axis), each system over its
     own SGLang default in SGLang (today's plugin settings), in the engine, and in SGLang with other plugin
-    settings (one y axis for the three); heterogeneous k=4 as horizontal bars (in SGLang / engine)."""
+    settings (one y axis for the three); heterogeneous k=4 as horizontal bars (in SGLang / engine). One GPU
+    model's rows (analysis.gpu.one_gpu), the others named under the figure."""
     m = t[t["status"] == "measured"]
-    h = m[m["set"] == "headline"]
+    h, gpu, other_gpus = one_gpu(m[m["set"] == "headline"])
     if h.empty:
         placeholder_figure(NAME, out, "no in-SGLang plugin cells on the headline workload")
         return
+    m = m[gpu_names(m) == gpu]
     col = system_colors(SYSTEMS)
     fig, axes = plt.subplots(2, 3, figsize=(14, 8.2))
     (a, e, c), (b, f, o) = axes
@@ -184,15 +196,15 @@ def draw(t: pd.DataFrame, res: Results, out: Path) -> None:
         c.axvline(1.0, color="0.5", lw=0.8)
         c.set_xlabel("output throughput / own SGLang default")
         c.set_title("heterogeneous k=4, A100-40GB KV budget", fontsize=9)
-    cells = select(with_derived(res.cells), {"system": "~sglang_server"}) if not res.cells.empty else res.cells
+    also = f" (also measured on {', '.join(other_gpus)}: in the table)" if other_gpus else ""
     suptitle(fig, title_of("The four systems inside real SGLang (plugin) and in the engine, headline ShareGPT B=256",
-                           gpu_names(cells), ["Llama-3.1-8B TP=1"]))
+                           gpu, ["Llama-3.1-8B TP=1"]) + also)
     fig.tight_layout(h_pad=2.0)
     legend_below(fig, [a, b, o], (0.36, 0.0), ncol=4)
     if not k.empty:
         legend_below(fig, [c], (0.86, 0.0), ncol=1)
-    save_figure(fig, NAME, out, data=m[["set", "workload.prefix_len", "system", *VARIANTS, "sglang_tok_s", "sglang_x",
-                                        "engine_tok_s", "engine_x"]])
+    save_figure(fig, NAME, out, data=m[["set", GPU, "workload.prefix_len", "system", *VARIANTS, "sglang_tok_s",
+                                        "sglang_x", "engine_tok_s", "engine_x"]])
 
 
 @register_exhibit(NAME, figures=FIGURES)
@@ -215,5 +227,5 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
                      "NaN: not recorded. headline: ShareGPT, one shared prefix, H200 KV budget; hetero k=4: prefixes "
                      "2K/4K/8K/16K, burst, A100-40GB KV budget (Lp column: the workload's nominal Lp).")
     if figures:
-        draw(t, res, out)
+        draw(t, out)
     return t
