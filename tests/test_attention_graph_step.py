@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 import fake_flashinfer
 from granikv.attention import reference as R
-from granikv.attention.graph_step import GraphLimits, GraphStep, capture_plan, plan_graph_step
+from granikv.attention.graph_step import GraphLimits, GraphStep, capture_plan, plan_graph_step, shared_buffers
 from granikv.attention.policy import PrefixPolicy
 from granikv.attention.row_kernels import gather_rows, merge_rows
 
@@ -226,3 +226,30 @@ def test_a_new_prefix_with_the_last_steps_segment_lengths_gets_its_own_slots(fak
         o, lse = _rest_state(q, k, v, rows, p.skip, b, 0.3)
         gs.run(q, k, v, o, lse)
         torch.testing.assert_close(o, _reference(q, k, v, rows, 0.3), rtol=1e-4, atol=1e-4)
+
+
+def test_a_plan_loaded_again_after_another_batch_size_rewrote_the_shared_buffers(fake_fi_module):
+    """Two captured batch sizes share the cascade slot list. A's plan, loaded again after B's step, writes no
+    step arrays (they are A's own and unchanged) but gets its shared slot list back: A's rows stay exact."""
+    torch.manual_seed(5)
+    pool, scale = 64, 0.3
+    k, v = torch.randn(pool, HKV, D), torch.randn(pool, HKV, D)
+    big = GraphLimits(batch=6, folds=(1,), groups=1, cascades=1, region_len=32, cascade_slots=16)
+    sh = shared_buffers(big, HKV, D, torch.float32, "cpu")
+    steps = {}
+    for b, pid, base in ((4, 1, 40), (6, 2, 48)):
+        lim = GraphLimits(batch=b, folds=(1,), groups=1, cascades=1, region_len=32, cascade_slots=16)
+        gs = GraphStep(lim, HQ, HKV, D, torch.float32, "cpu", scale, workspace=torch.empty(1), shared=sh)
+        rows = [list(range(base, base + 8)) + [60 + r % 4] for r in range(b)]
+        table = torch.tensor([[0] * 9] + rows, dtype=torch.int32)
+        p = plan_graph_step([pid] * b, [8] * b, [-1] * b, lim, FixedPolicy({pid: "cascade"}), HQ // HKV)
+        steps[b] = (gs, p, rows, table)
+    for b in (4, 6, 4):
+        gs, p, rows, table = steps[b]
+        writes = gs.staging.next
+        gs.load(p, table, torch.arange(1, b + 1))
+        q = torch.randn(b, HQ, D)
+        o, lse = _rest_state(q, k, v, rows, p.skip, b, scale)
+        gs.run(q, k, v, o, lse)
+        torch.testing.assert_close(o, _reference(q, k, v, rows, scale), rtol=1e-4, atol=1e-4)
+    assert gs.staging.next == writes                  # the last load of b=4 staged nothing new

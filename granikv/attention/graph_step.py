@@ -280,10 +280,13 @@ class GraphStep:
         self.plan_: Optional[GraphStepPlan] = None
 
     def load(self, p: GraphStepPlan, slot_table: torch.Tensor, req_pool_indices: torch.Tensor) -> None:
-        """Write step ``p`` into the buffers the captured ``run`` reads (host + async device work, no sync).
+        """Write step ``p`` into the buffers the captured ``run`` reads (host + async device work, no sync);
+        the plan object loaded last time again: only what another step may have overwritten since.
         ``slot_table`` int32 [R, W] (SGLang's req_to_token), ``req_pool_indices`` [>= B] each row's table row."""
         lim = self.lim
-        self.staging.write(p.perm + p.src + p.kind + p.skip + [sum(g[1] for g in p.gather)], self.meta)
+        again = p is self.plan_                 # the last step's plan (a batch whose classes did not change)
+        if not again:
+            self.staging.write(p.perm + p.src + p.kind + p.skip + [sum(g[1] for g in p.gather)], self.meta)
         rows = req_pool_indices[:lim.batch]
         n = p.cas_kv[-1]
         key = (id(self), tuple(p.cas_kv), p.cas_ids, tuple(g[1:] for g in p.gather), p.gather_ids)
@@ -298,6 +301,8 @@ class GraphStep:
             dst = torch.tensor([g[2] for g in p.gather], dtype=torch.int64)          # [G] scratch offsets
             self._slot_lists(None, None, None, off, dst, self.g_dst[:off[-1]])
         self.shared["key"] = key
+        if again:
+            return
         for i, (hb, hp) in enumerate(zip(self.launches, p.dense)):
             key = (hp.qo_indptr, hp.kv_indptr)
             if key != self._planned[i]:

@@ -109,6 +109,7 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
         self.graph_steps: dict[int, GraphStep] = {}
         self._gs: Optional[GraphStep] = None     # the captured step the current decode step runs, None: eager
         self._gs_shared: Optional[dict] = None   # buffers every captured step shares (graph_step.shared_buffers)
+        self._graph_plans: dict[int, tuple] = {} # batch size -> (what its last plan was made from, the plan)
         _LIVE.add(self)
         atexit.register(self._writer.maybe_write, self.stats, True)
 
@@ -251,10 +252,21 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
             reason = "no_prefix"
         self.decode.policy.graph_step = True            # the attention replays in the graph: the graph rules
         if reason is None:
-            p = plan_graph_step(staged.prefix_ids, staged.prefix_lens, staged.hot_starts, gs.lim, self.decode.policy,
-                                self.decode.group)
+            key = (raw, staged.prefix_ids, staged.prefix_lens, staged.hot_starts)
         else:
-            p = plan_graph_step([-1] * raw, [0] * raw, [-1] * raw, gs.lim, self.decode.policy, self.decode.group)
+            key = (raw, None)
+        last = self._graph_plans.get(bs)
+        choose_us = 0.0
+        if last is not None and last[0] == key:        # the batch's classes did not change: the same plan
+            p = last[1]
+        else:
+            if reason is None:
+                p = plan_graph_step(staged.prefix_ids, staged.prefix_lens, staged.hot_starts, gs.lim,
+                                    self.decode.policy, self.decode.group)
+            else:
+                p = plan_graph_step([-1] * raw, [0] * raw, [-1] * raw, gs.lim, self.decode.policy, self.decode.group)
+            self._graph_plans[bs] = (key, p)
+            choose_us = p.choose_us
         t1 = time.perf_counter()
         gs.load(p, r2t, fb.req_pool_indices)
         t2 = time.perf_counter()
@@ -272,7 +284,7 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
             self._paged(reason or "no_split")
             return
         host = (t3 - t0) * 1e6 + staged.host_us
-        self.stats.split(p.decisions(self.decode.group, raw), staged.host_us, p.choose_us, host,
+        self.stats.split(p.decisions(self.decode.group, raw), staged.host_us, choose_us, host,
                          index_us=(t3 - t2) * 1e6, make_us=(t1 - t0) * 1e6, load_us=(t2 - t1) * 1e6, graph=True)
         self._writer.maybe_write(self.stats)
 
