@@ -158,3 +158,27 @@ def test_the_claim_line_names_the_cells_with_earlier_settings_it_leaves_out():
     assert "ITL p50 2.5 vs 4.0 ms" in line                                  # today's cell (4000 tok/s) only
     assert "not used, measured with earlier plugin settings: decode_plan=flashinfer: 5000 tok/s (2.00x)" in line
     assert "cascade_impl" not in line
+
+
+def test_the_decode_graph_form_splits_rows_and_the_claims_take_full_graphs():
+    """A plugin cell's server flag names its graph form: breakable and full cells of one configuration are
+    two rows, and the claims keep the full-graph cells where a configuration has them."""
+    brk = "['--cuda-graph-backend-decode', 'breakable']"
+    rows = [{**cell(HEAD, "sglang_server", 16384, 2500), "system.server.extra_args": "[]"},
+            {**cell(HEAD, "sglang_server_granikv", 16384, 4000), "system.decode_plan": "fast",
+             "system.server.extra_args": brk},
+            {**cell(HEAD, "sglang_server_granikv", 16384, 5500), "system.decode_plan": "fast",
+             "system.server.extra_args": "[]"},
+            {**cell(HEAD, "sglang_server_granikv", 8192, 4600), "system.decode_plan": "fast",
+             "system.server.extra_args": brk}]
+    t = in_sglang.in_sglang_table(results(rows))
+    g = t[(t["system"] == "granikv") & (t["workload.prefix_len"] == 16384)]
+    assert list(g["decode_graphs"]) == ["full", "breakable"] and list(g["n_sglang"]) == [1, 1]
+    assert list(g["sglang_x"]) == [5500 / 2500, 4000 / 2500]
+    assert t.loc[t["system"] == "sglang_default", "decode_graphs"].fillna("").eq("").all()
+    cols = ["model.name", "tp", "workload.batch", "workload.kind", "workload.num_prefixes", "hardware.name",
+            "workload.prefix_lens", "system.name", "workload.prefix_len", "rep", "system.decode_plan",
+            "system.server.extra_args"]
+    kept = sglang_measures.prefer_current(pd.DataFrame(rows), cols)
+    tok = kept.groupby(["system.name", "workload.prefix_len"])["output_throughput_tok_s"].apply(list).to_dict()
+    assert tok[("sglang_server_granikv", 16384)] == [5500] and tok[("sglang_server_granikv", 8192)] == [4600]

@@ -27,8 +27,23 @@ STAGES = ("prefix", "index", "make", "load", "dispatch")
 
 
 # the plugin settings a row is split by (never pooled across), and today's values
-# (conf/system/sglang_server_{cascade,hydragen,granikv}.yaml): cascade_impl for SGLang-Cascade only
-VARIANTS = {"cascade_impl": "composed", "decode_plan": "fast"}
+# (conf/system/sglang_server_{cascade,hydragen,granikv}.yaml): cascade_impl for SGLang-Cascade only;
+# decode_graphs (derived by with_graph_form): the decode CUDA graphs the plugin's server ran
+VARIANTS = {"cascade_impl": "composed", "decode_plan": "fast", "decode_graphs": "full"}
+ARGS = "system.server.extra_args"
+PLUGIN_SYSTEMS = tuple(s for p, (s, _) in SYSTEMS.items() if p != BASE)
+
+
+def with_graph_form(cells: pd.DataFrame) -> pd.DataFrame:
+    """``cells`` with ``system.decode_graphs`` on the plugin's in-SGLang cells: ``breakable`` when its server
+    ran ``--cuda-graph-backend-decode breakable`` (the attention eager at graph breaks), else ``full``
+    (SGLang's default full decode graphs, the step's plan written into them); empty elsewhere."""
+    if cells.empty or "system.name" not in cells.columns:
+        return cells
+    plug = cells["system.name"].astype(str).isin(PLUGIN_SYSTEMS)
+    args = cells[ARGS].astype(str) if ARGS in cells.columns else pd.Series("", index=cells.index)
+    form = pd.Series(np.where(args.str.contains("breakable"), "breakable", "full"), index=cells.index)
+    return cells.assign(**{"system.decode_graphs": form.where(plug)})
 
 
 def plugin_counters(cells: pd.DataFrame) -> dict:
@@ -53,14 +68,15 @@ def plugin_counters(cells: pd.DataFrame) -> dict:
 
 
 def prefer_current(cells: pd.DataFrame, config_cols) -> pd.DataFrame:
-    """``cells`` without the in-SGLang plugin cells that ran with other plugin settings (VARIANTS)
-    than today's, where the same configuration otherwise (every identity column but those settings)
+    """``cells`` (with :func:`with_graph_form`) without the in-SGLang plugin cells that ran with other plugin
+    settings (VARIANTS) than today's, where the same configuration otherwise (every identity column but those settings)
     has a cell with today's: the claims measure today's plugin, and never pool across its settings.
     A configuration measured only with older settings keeps its cells (the table names them)."""
     if cells.empty or "system.name" not in cells.columns:
         return cells
+    cells = with_graph_form(cells)
     systems = cells["system.name"].astype(str)
-    plug = systems.isin([s for p, (s, _) in SYSTEMS.items() if p != BASE])
+    plug = systems.isin(PLUGIN_SYSTEMS)
     var_cols = [f"system.{k}" for k in VARIANTS if f"system.{k}" in cells.columns]
     if not plug.any() or not var_cols:
         return cells
@@ -70,7 +86,7 @@ def prefer_current(cells: pd.DataFrame, config_cols) -> pd.DataFrame:
         if col in cells.columns:
             applies = systems == SYSTEMS["sglang_cascade"][0] if k == "cascade_impl" else pd.Series(True, index=cells.index)
             current &= ~applies | (cells[col].astype(str) == today)
-    keys = [c for c in identity(cells, config_cols) if c not in var_cols]
+    keys = [c for c in identity(cells, config_cols) if c not in var_cols and c != ARGS]   # the graph flag: a variant
     group = cells[keys].astype(object).where(cells[keys].notna(), NULL).astype(str).agg("|".join, axis=1)
     with_current = set(group[plug & current])
     return cells[~(plug & ~current & group.isin(with_current))]

@@ -1,7 +1,7 @@
 """The paper's four systems inside real SGLang, beside the same four in our engine.
 
 In SGLang: ``sglang_server`` (SGLang default, stock), and three systems served by the granikv plugin's
-attention backends (``granikv.sglang_plugin``, breakable decode CUDA graphs): ``sglang_server_cascade``
+attention backends (``granikv.sglang_plugin``): ``sglang_server_cascade``
 (SGLang-Cascade), ``sglang_server_hydragen`` (HydraGen) and ``sglang_server_granikv`` (GraniKV, with
 its radix cache backend). In the engine: ``sglang_default``, ``sglang_cascade``, ``hydragen``,
 ``granikv``. Same request sets, same replay client.
@@ -13,8 +13,10 @@ GPU models never pool) and system (the paper's name), Llama-3.1-8B TP=1, B=256:
 - ``hetero k=4``: heterogeneous multi-prefix (2K, 4K, 8K, 16K), burst, the A100-40GB KV budget.
 
 Columns: ``cascade_impl`` (the SGLang-Cascade row: the GPU path it ran inside SGLang; the engine's
-baseline runs ``composed``) and ``decode_plan`` (how the plugin re-planned FlashInfer's decode wrappers:
-``fast`` or ``flashinfer``); a system has one row per combination it ran (VARIANTS), never pooled. ``n`` and output tok/s (repetition mean) in SGLang and in the engine, each over its own
+baseline runs ``composed``), ``decode_plan`` (how the plugin re-planned FlashInfer's decode wrappers:
+``fast`` or ``flashinfer``) and ``decode_graphs`` (``full``: the whole step in SGLang's full decode graphs;
+``breakable``: the attention eager at graph breaks); a system has one row per combination it ran
+(VARIANTS), never pooled. ``n`` and output tok/s (repetition mean) in SGLang and in the engine, each over its own
 SGLang default (``sglang_x``: over real SGLang; ``engine_x``: over the engine's sglang_default), ITL
 and TTFT p50 in SGLang, and the plugin's own counters over the measured window: the share of decode
 rows by path, and the host time per planned decode step, whole (``plan_us``: prefix read + KV index
@@ -34,7 +36,8 @@ from analysis.common import (NOT_MEASURED, THROUGHPUT, aggregate, placeholder_fi
                              sort_rows, with_derived, write_table)
 from analysis.gpu import GPU, gpu_names, one_gpu, ordered, with_gpu
 from analysis.load import Results
-from analysis.measures.sglang import BASE, PATHS, STAGES, SYSTEMS, VARIANTS, plugin_counters, variant_keys
+from analysis.measures.sglang import (BASE, PATHS, STAGES, SYSTEMS, VARIANTS, plugin_counters, variant_keys,
+                                     with_graph_form)
 from analysis.paper import paper_claims
 from analysis.plots import legend_below, lp_axis, mark_paper, suptitle, system_colors, title_of
 from analysis.registry import register_exhibit
@@ -48,7 +51,7 @@ SETS = {"headline": {"workload.kind": "=sharegpt", "workload.num_prefixes": "=1"
         "hetero k=4": {"workload.kind": "=multiprefix", "workload.prefix_lens": "=notnull",
                        "workload.num_prefixes": "=4", "hardware.name": "=a100_40gb"}}
 HEADLINE_LPS = (512, 2048, 8192, 16384)      # the Lp every in-SGLang system is planned at
-COLS = ["set", GPU, "workload.prefix_len", "system", "cascade_impl", "decode_plan", "n_sglang", "sglang_tok_s", "sglang_x", "n_engine", "engine_tok_s",
+COLS = ["set", GPU, "workload.prefix_len", "system", "cascade_impl", "decode_plan", "decode_graphs", "n_sglang", "sglang_tok_s", "sglang_x", "n_engine", "engine_tok_s",
         "engine_x", "sglang_itl_p50_ms", "sglang_ttft_p50_ms", *[f"rows_{p}" for p in PATHS], "plan_us",
         *[f"{s}_us" for s in STAGES], "status"]
 
@@ -61,13 +64,15 @@ def _mean(df: pd.DataFrame, system: str, metric: str) -> tuple[float, int]:
 def in_sglang_table(res: Results) -> pd.DataFrame:
     """One row per (cell set, GPU model, Lp, paper system); ``not measured`` rows for planned points without a
     cell (per GPU model with cells in the set; without a GPU model where the set has none)."""
-    cells = with_gpu(with_derived(res.cells)) if not res.cells.empty else res.cells
+    cells = with_graph_form(with_gpu(with_derived(res.cells))) if not res.cells.empty else res.cells
     rows = []
     for name, sel in SETS.items():
         df = select(cells, {**COMMON, **sel}) if not cells.empty else cells
         for gpu in (ordered(df[GPU]) if not df.empty else [None]):
             rows += set_rows(name, df[df[GPU] == gpu] if gpu else df, gpu)
-    return sort_rows(pd.DataFrame(rows, columns=COLS), ["set", GPU, "workload.prefix_len", "system", *VARIANTS])
+    t = pd.DataFrame(rows, columns=COLS)
+    t["_earlier"] = [0 if is_current(r) else 1 for _, r in t.iterrows()] if len(t) else []   # today's settings first
+    return sort_rows(t, ["set", GPU, "workload.prefix_len", "system", "_earlier", *VARIANTS]).drop(columns="_earlier")
 
 
 def set_rows(name: str, df: pd.DataFrame, gpu: str | None) -> list[dict]:
@@ -115,20 +120,26 @@ def variants(ours: pd.DataFrame, paper: str) -> list[tuple[dict, pd.DataFrame]]:
     return out
 
 
+def _value(row: pd.Series, k: str) -> str:
+    v = row.get(k, "")
+    return v if isinstance(v, str) else ""            # missing (a not-measured row): does not apply
+
+
 def is_current(row: pd.Series) -> bool:
     """Whether a table row ran with today's plugin settings (VARIANTS; "" = does not apply)."""
-    return all(row[k] in ("", v) for k, v in VARIANTS.items())
+    return all(_value(row, k) in ("", v) for k, v in VARIANTS.items())
 
 
 def _setting(row: pd.Series) -> str:
     """A row's plugin settings where they are not today's ('' for today's): 'multilevel, flashinfer'."""
-    return ", ".join(str(row[k]) for k, v in VARIANTS.items() if row[k] not in ("", v))
+    return ", ".join(_value(row, k) for k, v in VARIANTS.items() if _value(row, k) not in ("", v))
 
 
 def _series(h: pd.DataFrame) -> tuple[list, list]:
     """The headline rows as (label, system, rows) series: per system, its main series (today's settings, else
     the one it ran), then the rows of its other settings."""
     main, other = [], []
+    h = h.assign(**{k: h[k].where(h[k].map(lambda v: isinstance(v, str)), "") for k in VARIANTS})
     for paper, g in h.groupby("system", sort=False):
         runs = [(_setting(r.iloc[0]), r.sort_values("workload.prefix_len"))
                 for _, r in g.groupby(list(VARIANTS), sort=False)]
