@@ -182,3 +182,24 @@ def test_the_decode_graph_form_splits_rows_and_the_claims_take_full_graphs():
     kept = sglang_measures.prefer_current(pd.DataFrame(rows), cols)
     tok = kept.groupby(["system.name", "workload.prefix_len"])["output_throughput_tok_s"].apply(list).to_dict()
     assert tok[("sglang_server_granikv", 16384)] == [5500] and tok[("sglang_server_granikv", 8192)] == [4600]
+
+
+def test_a_configuration_without_todays_settings_keeps_one_combination_never_two():
+    """Two older combinations and no cell with today's: the claims keep the closer one (the graph form
+    deciding first, then the decode plan), never both pooled."""
+    brk = "['--cuda-graph-backend-decode', 'breakable']"
+    rows = [{**cell(HEAD, "sglang_server_granikv", 16384, 4000), "system.decode_plan": "fast",
+             "system.server.extra_args": brk},
+            {**cell(HEAD, "sglang_server_granikv", 16384, 5000), "system.decode_plan": "flashinfer",
+             "system.server.extra_args": brk},
+            {**cell(HEAD, "sglang_server_granikv", 8192, 3000), "system.decode_plan": "flashinfer",
+             "system.server.extra_args": "[]"},
+            {**cell(HEAD, "sglang_server_granikv", 8192, 3900), "system.decode_plan": "fast",
+             "system.server.extra_args": brk}]
+    cols = ["model.name", "tp", "workload.batch", "workload.kind", "workload.num_prefixes", "hardware.name",
+            "workload.prefix_lens", "system.name", "workload.prefix_len", "rep", "system.decode_plan",
+            "system.server.extra_args"]
+    kept = sglang_measures.prefer_current(pd.DataFrame(rows), cols)
+    tok = kept.groupby("workload.prefix_len")["output_throughput_tok_s"].apply(list).to_dict()
+    assert tok == {16384: [4000], 8192: [3000]}
+    assert list(kept.columns) == list(pd.DataFrame(rows).columns)      # no derived column leaks out

@@ -67,29 +67,39 @@ def plugin_counters(cells: pd.DataFrame) -> dict:
     return out
 
 
+# the order in which a setting decides which cells a configuration keeps (the first one most)
+PRIORITY = ("decode_graphs", "decode_plan", "cascade_impl")
+
+
 def prefer_current(cells: pd.DataFrame, config_cols) -> pd.DataFrame:
-    """``cells`` (with :func:`with_graph_form`) without the in-SGLang plugin cells that ran with other plugin
-    settings (VARIANTS) than today's, where the same configuration otherwise (every identity column but those settings)
-    has a cell with today's: the claims measure today's plugin, and never pool across its settings.
-    A configuration measured only with older settings keeps its cells (the table names them)."""
+    """``cells`` with, per configuration of an in-SGLang plugin system (every identity column but its settings),
+    only the cells of ONE combination of plugin settings (VARIANTS; the graph form by :func:`with_graph_form`):
+    the closest to today's, a setting earlier in PRIORITY deciding first. The claims measure today's plugin
+    where a configuration has it and never pool across settings; a configuration measured only with older
+    settings keeps the most recent of them (the table names every combination)."""
     if cells.empty or "system.name" not in cells.columns:
         return cells
-    cells = with_graph_form(cells)
+    given, cells = cells, with_graph_form(cells)      # the derived column decides; the caller's frame comes back
     systems = cells["system.name"].astype(str)
     plug = systems.isin(PLUGIN_SYSTEMS)
     var_cols = [f"system.{k}" for k in VARIANTS if f"system.{k}" in cells.columns]
     if not plug.any() or not var_cols:
-        return cells
-    current = pd.Series(True, index=cells.index)
-    for k, today in VARIANTS.items():
+        return given
+    score = pd.Series(0, index=cells.index)
+    combo = pd.Series("", index=cells.index)
+    for k in PRIORITY:
         col = f"system.{k}"
-        if col in cells.columns:
-            applies = systems == SYSTEMS["sglang_cascade"][0] if k == "cascade_impl" else pd.Series(True, index=cells.index)
-            current &= ~applies | (cells[col].astype(str) == today)
+        if col not in cells.columns:
+            continue
+        applies = systems == SYSTEMS["sglang_cascade"][0] if k == "cascade_impl" else pd.Series(True, index=cells.index)
+        score = score * 2 + (~applies | (cells[col].astype(str) == VARIANTS[k])).astype(int)
+        combo = combo + "|" + cells[col].astype(str).where(applies, "")
     keys = [c for c in identity(cells, config_cols) if c not in var_cols and c != ARGS]   # the graph flag: a variant
     group = cells[keys].astype(object).where(cells[keys].notna(), NULL).astype(str).agg("|".join, axis=1)
-    with_current = set(group[plug & current])
-    return cells[~(plug & ~current & group.isin(with_current))]
+    p = pd.DataFrame({"group": group[plug], "score": score[plug], "combo": combo[plug]})
+    best = p.sort_values(["score", "combo"], ascending=[False, True]).groupby("group")["combo"].first()
+    keep = ~plug | (combo == group.map(best))
+    return given[keep]
 
 
 def variant_keys(paper: str) -> list[str]:
