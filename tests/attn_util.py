@@ -1,9 +1,14 @@
-"""Shared builders for the attention tests: random KV caches and DecodeBatches with prefix classes."""
+"""Shared builders for the attention tests: random KV caches and DecodeBatches with prefix classes, a policy
+with fixed paths, and the FlashInfer stand-in as a fixture."""
 from __future__ import annotations
 
+import sys
+
+import pytest
 import torch
 
 from granikv.attention.batch import DecodeBatch
+from granikv.attention.policy import PrefixPolicy
 
 
 def make_step(seed: int, hkv: int, d: int, class_lps: list[int], class_sizes: list[int], hot: list[bool],
@@ -63,3 +68,31 @@ def flashinfer_available() -> bool:
         return True
     except Exception:  # noqa: BLE001 - any import failure means: not runnable here
         return False
+
+
+class FixedPolicy(PrefixPolicy):
+    """Chooses each class's path from ``paths`` (prefix id -> path); paged otherwise."""
+
+    name = "fixed"
+
+    def __init__(self, paths):
+        self.paths = paths
+
+    def choose(self, classes, batch_size):
+        for c in classes:
+            c.choice = self.paths.get(c.prefix_id, "paged")
+
+
+@pytest.fixture(scope="module")
+def fake_fi_module():
+    """The FlashInfer stand-in (tests/fake_flashinfer.py) as ``flashinfer`` for one test module (module scope:
+    hypothesis runs many examples per test function). Import it into a test module to use it."""
+    import fake_flashinfer
+
+    saved = sys.modules.get("flashinfer")
+    sys.modules["flashinfer"] = fake_flashinfer.module()
+    yield
+    if saved is None:
+        sys.modules.pop("flashinfer", None)
+    else:
+        sys.modules["flashinfer"] = saved

@@ -25,6 +25,12 @@ def cell(where, system, lp, tok, rep=0, **plugin):
             "itl_p50_ms": 1e4 / tok, "ttft_p50_ms": 100.0, **{f"plugin.{k}": v for k, v in plugin.items()}}
 
 
+# the config columns of the graph-form tests' cells
+GRAPH_COLS = ["model.name", "tp", "workload.batch", "workload.kind", "workload.num_prefixes", "hardware.name",
+              "workload.prefix_lens", "system.name", "workload.prefix_len", "rep", "system.decode_plan",
+              "system.server.extra_args"]
+
+
 def results(rows):
     return Results(root=Path("."), cells=pd.DataFrame(rows), failures=pd.DataFrame(), kernels=pd.DataFrame())
 
@@ -176,10 +182,7 @@ def test_the_decode_graph_form_splits_rows_and_the_claims_take_full_graphs():
     assert list(g["decode_graphs"]) == ["full", "breakable"] and list(g["n_sglang"]) == [1, 1]
     assert list(g["sglang_x"]) == [5500 / 2500, 4000 / 2500]
     assert t.loc[t["system"] == "sglang_default", "decode_graphs"].fillna("").eq("").all()
-    cols = ["model.name", "tp", "workload.batch", "workload.kind", "workload.num_prefixes", "hardware.name",
-            "workload.prefix_lens", "system.name", "workload.prefix_len", "rep", "system.decode_plan",
-            "system.server.extra_args"]
-    kept = sglang_measures.prefer_current(pd.DataFrame(rows), cols)
+    kept = sglang_measures.prefer_current(pd.DataFrame(rows), GRAPH_COLS)
     tok = kept.groupby(["system.name", "workload.prefix_len"])["output_throughput_tok_s"].apply(list).to_dict()
     assert tok[("sglang_server_granikv", 16384)] == [5500] and tok[("sglang_server_granikv", 8192)] == [4600]
 
@@ -196,10 +199,7 @@ def test_a_configuration_without_todays_settings_keeps_one_combination_never_two
              "system.server.extra_args": "[]"},
             {**cell(HEAD, "sglang_server_granikv", 8192, 3900), "system.decode_plan": "fast",
              "system.server.extra_args": brk}]
-    cols = ["model.name", "tp", "workload.batch", "workload.kind", "workload.num_prefixes", "hardware.name",
-            "workload.prefix_lens", "system.name", "workload.prefix_len", "rep", "system.decode_plan",
-            "system.server.extra_args"]
-    kept = sglang_measures.prefer_current(pd.DataFrame(rows), cols)
+    kept = sglang_measures.prefer_current(pd.DataFrame(rows), GRAPH_COLS)
     tok = kept.groupby("workload.prefix_len")["output_throughput_tok_s"].apply(list).to_dict()
     assert tok == {16384: [4000], 8192: [3000]}
     assert list(kept.columns) == list(pd.DataFrame(rows).columns)      # no derived column leaks out

@@ -6,43 +6,17 @@ so a row merged from the wrong place fails."""
 import itertools
 import math
 import random
-import sys
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import fake_flashinfer
+from attn_util import FixedPolicy, fake_fi_module  # noqa: F401  (a fixture)
 from granikv.attention import reference as R
 from granikv.attention.graph_step import GraphLimits, GraphStep, capture_plan, plan_graph_step, shared_buffers
-from granikv.attention.policy import PrefixPolicy
 from granikv.attention.row_kernels import gather_rows, merge_rows
 
 HQ, HKV, D = 4, 2, 8
-
-
-@pytest.fixture(scope="module")
-def fake_fi_module():
-    saved = sys.modules.get("flashinfer")
-    sys.modules["flashinfer"] = fake_flashinfer.module()
-    yield
-    if saved is None:
-        sys.modules.pop("flashinfer", None)
-    else:
-        sys.modules["flashinfer"] = saved
-
-
-class FixedPolicy(PrefixPolicy):
-    """Chooses each class's path from ``paths`` (prefix id -> path); paged otherwise."""
-
-    name = "fixed"
-
-    def __init__(self, paths):
-        self.paths = paths
-
-    def choose(self, classes, batch_size):
-        for c in classes:
-            c.choice = self.paths.get(c.prefix_id, "paged")
 
 
 _IDS = itertools.count()   # a prefix id names one prefix's slots for good, as the plugin's ids do

@@ -11,12 +11,11 @@ import random
 import pytest
 import torch
 
-from attn_util import flashinfer_available
+from attn_util import FixedPolicy, flashinfer_available
 from granikv.attention import flashinfer_ops as fo
 from granikv.attention import reference as R
 from granikv.attention.bench import capture_graph
 from granikv.attention.graph_step import GraphLimits, GraphStep, capture_plan, plan_graph_step
-from granikv.attention.policy import PrefixPolicy
 from granikv.attention.row_kernels import gather_rows, merge_rows, merge_rows_ref
 from granikv.attention.staging import PinnedStaging
 
@@ -25,17 +24,6 @@ needs_fi = pytest.mark.skipif(not flashinfer_available(), reason="needs CUDA and
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 HQ, HKV, D = 32, 8, 128
 POOL, W = 24576, 4200
-
-
-class FixedPolicy(PrefixPolicy):
-    name = "fixed"
-
-    def __init__(self, paths):
-        self.paths = paths
-
-    def choose(self, classes, batch_size):
-        for c in classes:
-            c.choice = self.paths.get(c.prefix_id, "paged")
 
 
 _IDS = itertools.count()   # a prefix id names one prefix's slots for good, as the plugin's ids do

@@ -1,28 +1,14 @@
 """granikv.attention.hot_batch: the ragged plan of the dense groups (host arithmetic) and its run on the
 FlashInfer stand-in against the engine's per-group dense calls (the CPU reference)."""
 import math
-import sys
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import fake_flashinfer
+from attn_util import fake_fi_module  # noqa: F401  (a fixture)
 from granikv.attention import reference as R
 from granikv.attention.hot_batch import HotBatch, HotGroup, plan_hot_batch
-
-
-@pytest.fixture(scope="module")
-def fake_fi_module():
-    """The FlashInfer stand-in as ``flashinfer`` for this module's tests (module scope: hypothesis runs many
-    examples per test function)."""
-    saved = sys.modules.get("flashinfer")
-    sys.modules["flashinfer"] = fake_flashinfer.module()
-    yield
-    if saved is None:
-        sys.modules.pop("flashinfer", None)
-    else:
-        sys.modules["flashinfer"] = saved
 
 
 def _groups(draw_sizes, gaps, fold, rows):

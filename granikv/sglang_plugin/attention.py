@@ -109,7 +109,7 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
         self.graph_steps: dict[int, GraphStep] = {}
         self._gs: Optional[GraphStep] = None     # the captured step the current decode step runs, None: eager
         self._gs_shared: Optional[dict] = None   # buffers every captured step shares (graph_step.shared_buffers)
-        self._graph_plans: dict[int, tuple] = {} # batch size -> (what its last plan was made from, the plan)
+        self._graph_plans: dict[int, tuple] = {} # batch size -> (what its last plan was made from, plan, skip)
         _LIVE.add(self)
         atexit.register(self._writer.maybe_write, self.stats, True)
 
@@ -252,26 +252,23 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
             reason = "no_prefix"
         self.decode.policy.graph_step = True            # the attention replays in the graph: the graph rules
         if reason is None:
-            key = (raw, staged.prefix_ids, staged.prefix_lens, staged.hot_starts)
-        else:
-            key = (raw, None)
+            ids, lens, hots = staged.prefix_ids, staged.prefix_lens, staged.hot_starts
+        else:                                           # no prefix to split: every row on the rest decode
+            ids, lens, hots = [-1] * raw, [0] * raw, [-1] * raw
+        key = (raw, ids, lens, hots)
         last = self._graph_plans.get(bs)
         choose_us = 0.0
         if last is not None and last[0] == key:        # the batch's classes did not change: the same plan
-            p = last[1]
+            p, skip_h = last[1], last[2]
         else:
-            if reason is None:
-                p = plan_graph_step(staged.prefix_ids, staged.prefix_lens, staged.hot_starts, gs.lim,
-                                    self.decode.policy, self.decode.group)
-            else:
-                p = plan_graph_step([-1] * raw, [0] * raw, [-1] * raw, gs.lim, self.decode.policy, self.decode.group)
-            self._graph_plans[bs] = (key, p)
+            p = plan_graph_step(ids, lens, hots, gs.lim, self.decode.policy, self.decode.group)
+            skip_h = torch.tensor(p.skip, dtype=torch.int32)                   # [bs] host
+            self._graph_plans[bs] = (key, p, skip_h)
             choose_us = p.choose_us
         t1 = time.perf_counter()
         gs.load(p, r2t, fb.req_pool_indices)
         t2 = time.perf_counter()
         # the rest decode: SGLang's decode wrappers of bs, each row's slots from its skip on (one Triton pass)
-        skip_h = torch.tensor(p.skip, dtype=torch.int32)
         lens_h = fb.seq_lens_cpu[:bs].to(torch.int32) - skip_h if fb.seq_lens_cpu is not None else None
         lens_d = fb.seq_lens[:bs].to(torch.int32) - gs.skip                    # [bs] rest lengths
         wrapper = self.decode_cuda_graph_metadata[bs][0]

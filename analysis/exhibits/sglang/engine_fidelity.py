@@ -125,6 +125,15 @@ def plugin_counters(df: pd.DataFrame, key: tuple) -> dict:
     return {"plugin_dense_rows": c["rows_dense"], "plugin_plan_us": c["plan_us"], "plugin_dispatch_us": c["dispatch_us"]}
 
 
+def _finish(ax, x, ylabel: str, title: str) -> None:
+    """Labels, the Lp axis, the legend and the title of one panel."""
+    ax.set_ylabel(ylabel)
+    ax.set_xlabel("shared prefix Lp (tokens)")
+    lp_axis(ax, x)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+
+
 def draw(t: pd.DataFrame, res: Results, out: Path) -> None:
     """Per GPU model, a row of two panels: throughput of real SGLang, our sglang_default, GraniKV (and the
     plugin) against Lp on the headline workload, and their ratios to real SGLang."""
@@ -150,11 +159,7 @@ def draw(t: pd.DataFrame, res: Results, out: Path) -> None:
         if not gp.empty:
             a.plot(gp["workload.prefix_len"].astype(int), gp["plugin_tok_s"], marker="D", ls=":", color=col[GRANIKV],
                    label="granikv inside real SGLang (plugin)")
-        a.set_ylabel("output tok/s")
-        a.set_xlabel("shared prefix Lp (tokens)")
-        lp_axis(a, x)
-        a.legend(fontsize=8)
-        a.set_title(f"{gpu}: throughput (mean; bars: real SGLang's min-max)", fontsize=9)
+        _finish(a, x, "output tok/s", f"{gpu}: throughput (mean; bars: real SGLang's min-max)")
         b.axhspan(1 - TARGET, 1 + TARGET, color="0.9", label="±10% of real SGLang")
         b.axhline(1.0, color="0.5", lw=0.8)
         b.plot(x, g["ours/real"], marker="s", ls="--", color=col[OURS], label="sglang_default / real SGLang")
@@ -162,11 +167,7 @@ def draw(t: pd.DataFrame, res: Results, out: Path) -> None:
         if not gp.empty:
             b.plot(gp["workload.prefix_len"].astype(int), gp["plugin/real"], marker="D", ls=":", color=col[GRANIKV],
                    label="granikv in SGLang / real SGLang")
-        b.set_ylabel("output throughput / real SGLang")
-        b.set_xlabel("shared prefix Lp (tokens)")
-        lp_axis(b, x)
-        b.legend(fontsize=8)
-        b.set_title(f"{gpu}: ratio to real SGLang", fontsize=9)
+        _finish(b, x, "output throughput / real SGLang", f"{gpu}: ratio to real SGLang")
     fig.suptitle(title_of("Engine fidelity, headline (ShareGPT + shared prefix, B=256)", gpu_names(cells),
                           ["Llama-3.1-8B TP=1"]), fontsize=10)
     fig.tight_layout()
