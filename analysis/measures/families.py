@@ -96,7 +96,7 @@ def family_rows(cells: pd.DataFrame, config_cols: list[str], fam: Family) -> lis
     # split rows; the decision table and the system's own keys do not (see the module doc)
     extra = [c for c in identity(df, config_cols) if c not in dims + [GPU] and c != TABLE
              and not c.startswith(("system.", "model.")) and c != "tp"
-             and df.astype({c: str}).groupby(dims + [GPU])[c].nunique().gt(1).any()] if not df.empty else []
+             and df[c].astype(str).groupby([df[k] for k in dims + [GPU]]).nunique().gt(1).any()] if not df.empty else []
     rows, seen = [], set()
     if not df.empty:
         df = df.assign(table=[json_digest(v) for v in df[TABLE]] if TABLE in df.columns else "-")
