@@ -115,6 +115,7 @@ def compare(ref: list[dict], got: list[dict], ids: list[int], steps: int) -> dic
 def run_one(rc, fast_start: bool, prompts, prefix_len, out_len, ids, stop: bool,
             together: bool = False) -> tuple[list[dict], dict, dict]:
     from granikv.serving import server as srvmod
+    from granikv.serving.session import server_packages
 
     spec = srvmod.server_spec(rc)
     if fast_start:
@@ -127,7 +128,8 @@ def run_one(rc, fast_start: bool, prompts, prefix_len, out_len, ids, stop: bool,
     srv = pool.acquire(spec)
     print(f"plugin_check: {rc.system.name} server {'adopted' if srv.adopted else 'started'}, ready after "
           f"{time.monotonic() - t0:.0f} s", flush=True)
-    info = {"argv": list(spec.argv), "env": dict(spec.env), "start_s": srv.started_s, "adopted": srv.adopted}
+    info = {"argv": list(spec.argv), "env": dict(spec.env), "start_s": srv.started_s, "adopted": srv.adopted,
+            "packages": server_packages(spec)}   # SGLang's, FlashInfer's, torch's versions as the server imports them
     try:
         t1 = time.monotonic()
         out = asyncio.run(serve(srv.url, prompts, prefix_len, out_len, ids, together))

@@ -21,3 +21,30 @@ def test_plugin_check_without_sglang_reports_not_run_with_provenance(tmp_path):
     assert rep["status"] == "not_run" and "NOT RUN" in p.stderr
     assert rep["provenance"]["git_commit"] == "ab" * 20 and rep["overrides"] == ["hardware=h200"]
     assert rep["error"]
+
+
+def test_run_one_records_the_servers_package_versions(monkeypatch):
+    """Each server's record names the versions its own python imports (SGLang's, FlashInfer's, torch's): the
+    check's report carries them as every cell does."""
+    import importlib.metadata as md
+    from types import SimpleNamespace
+
+    from granikv.serving import server as srvmod
+    from runners import plugin_check
+
+    spec = srvmod.ServerSpec(argv=(sys.executable, "-m", "sglang.launch_server"), env=(), host="127.0.0.1",
+                             port=0, start_timeout_s=1.0)
+    served = SimpleNamespace(adopted=False, started_s=1.0, url="http://127.0.0.1:1", log_tail=lambda: ["ready"])
+    pool = SimpleNamespace(acquire=lambda s: served, close=lambda keep: None)
+
+    async def serve(*args):
+        return [{"tokens": [1]}]
+
+    monkeypatch.setattr(srvmod, "server_spec", lambda rc: spec)
+    monkeypatch.setattr(srvmod, "POOL", pool)
+    monkeypatch.setattr(plugin_check, "serve", serve)
+    rc = SimpleNamespace(system=SimpleNamespace(name="sglang_server"))
+    out, stats, info = plugin_check.run_one(rc, False, [], 16, 2, [], stop=True)
+    assert out == [{"tokens": [1]}] and stats is None
+    assert info["packages"]["torch"] == md.version("torch")
+    assert info["packages"]["sglang"] is None            # not installed here: named as absent, not left out
