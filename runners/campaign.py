@@ -76,8 +76,9 @@ class CampaignItem:
         ov = self.overrides if overrides is None else overrides
         tp = f"GRANIKV_TP={self.gpus} " if self.gpus > 1 else ""
         # cells served by real SGLang (system=sglang_server*) take sweep.sh's SGLang setup, not the engine's
-        engine = "GRANIKV_ENGINE=sglang " if any(o.startswith("system=") and "sglang_server" in o
-                                                 for o in self.overrides) else ""
+        systems = [o.split("=", 1)[1] for o in self.overrides if o.startswith("system=")]
+        systems = systems or [str(sweep_params(self.sweep).get("system", ""))]
+        engine = "GRANIKV_ENGINE=sglang " if any("sglang_server" in s for s in systems) else ""
         tail = f" -- {' '.join(shlex.quote(o) for o in ov)}" if ov else ""
         return f"{tp}{engine}bash runners/gpu/sweep.sh {self.sweep}{tail}"
 
@@ -141,6 +142,13 @@ def load_benches(path: str | Path = CAMPAIGN_YAML) -> dict[str, str]:
             raise ValueError(f"{path}: benches[{i}]: folder `{raw['folder']}` is listed twice")
         out[raw["folder"]] = str(raw["what"])
     return out
+
+
+def sweep_params(sweep: str) -> dict:
+    """The sweeper params of conf/sweep/<sweep>.yaml as written (``{"system": "a,b", ...}``), read without a
+    composition."""
+    doc = yaml.safe_load((CONF / "sweep" / f"{sweep}.yaml").read_text()) or {}
+    return ((doc.get("hydra") or {}).get("sweeper") or {}).get("params") or {}
 
 
 def named_folders(path: str | Path = CAMPAIGN_YAML) -> set[str]:
@@ -231,8 +239,7 @@ def expand(item: CampaignItem, check: bool = False, every: int = 1) -> list[Plan
                 top.hydra.overrides.task = task
         else:   # the sweeper params come from the preset alone: read them without a composition (~0.2 s)
             from omegaconf import OmegaConf
-            doc = yaml.safe_load((CONF / "sweep" / f"{item.sweep}.yaml").read_text()) or {}
-            params = ((doc.get("hydra") or {}).get("sweeper") or {}).get("params") or {}
+            params = sweep_params(item.sweep)
             top = OmegaConf.create({"hydra": {"sweeper": {"params": {k: str(v) for k, v in params.items()}},
                                               "overrides": {"task": task}}})
         out = []

@@ -212,3 +212,8 @@ def test_the_gpu_command_of_an_sglang_served_item_sets_up_sglang():
     assert real.device_command().startswith("GRANIKV_ENGINE=sglang bash runners/gpu/sweep.sh headline -- ")
     assert real.device_command(["workload.prefix_len=1024"]).startswith("GRANIKV_ENGINE=sglang ")
     assert not SMOKE.device_command().startswith("GRANIKV_ENGINE")
+    # the systems may come from the preset's own sweeper params (conf/sweep/in_sglang.yaml), not the overrides
+    preset = CampaignItem(id="p", what="x", issue=1, sweep="in_sglang", overrides=["hardware=h100"])
+    assert preset.device_command(["rep=1,2"]) == "GRANIKV_ENGINE=sglang bash runners/gpu/sweep.sh in_sglang -- rep=1,2"
+    engine = CampaignItem(id="e", what="x", issue=1, sweep="headline", overrides=["system=granikv"])
+    assert not engine.device_command().startswith("GRANIKV_ENGINE")
