@@ -316,10 +316,12 @@ def gpu_hours(ex: pd.DataFrame) -> pd.DataFrame:
 
 
 def gpu_hours_line(g: pd.DataFrame) -> str:
-    """The README's line: ``GPU-hours by GPU count: 1 GPU: x h, 2 GPUs: y h, 4 GPUs: z h; in all: t h``."""
+    """The README's line: ``GPU-hours by GPU count: 1 GPU: x h, 2 GPUs: y h, 4 GPUs: z h; in all: t h``; the total
+    is the sum of the parts as shown (0.1 h), so the line adds up and reads the same from the rounded CSV."""
+    shown = [round(float(v), 1) for v in g["gpu_hours"]]
     return "GPU-hours by GPU count: " + ", ".join(
-        f"{int(r['gpus'])} GPU{'s' if int(r['gpus']) > 1 else ''}: {r['gpu_hours']:.1f} h" for _, r in g.iterrows()) \
-        + f"; in all: {g['gpu_hours'].sum():.1f} h"
+        f"{int(r['gpus'])} GPU{'s' if int(r['gpus']) > 1 else ''}: {h:.1f} h" for h, (_, r) in zip(shown, g.iterrows())) \
+        + f"; in all: {sum(shown):.1f} h"
 
 
 def _int(v):
