@@ -150,11 +150,22 @@ def _series(h: pd.DataFrame) -> tuple[list, list]:
     return sorted(main, key=lambda x: order.get(x[1], 99)), sorted(other, key=lambda x: order.get(x[1], 99))
 
 
+def _other_gpus_today(m: pd.DataFrame, gpu: str) -> list:
+    """The headline series of the plugin's systems with today's settings (VARIANTS) on GPU models other than
+    ``gpu``, as (label naming the GPU model, system, rows)."""
+    h = m[(m["set"] == "headline") & (gpu_names(m) != gpu) & (m["system"] != BASE)]
+    out = []
+    for name, g in h.groupby(gpu_names(h), sort=True):
+        out += [(f"{paper} on {name}", paper, r) for lab, paper, r in _series(g)[0] if is_current(r.iloc[0])]
+    return out
+
+
 def draw(t: pd.DataFrame, out: Path) -> None:
     """Headline: output tok/s in SGLang and in the engine (one panel each, one y axis), each system over its
     own SGLang default in SGLang (today's plugin settings), in the engine, and in SGLang with other plugin
     settings (one y axis for the three); heterogeneous k=4 as horizontal bars (in SGLang / engine). One GPU
-    model's rows (analysis.gpu.one_gpu), the others named under the figure."""
+    model's rows (analysis.gpu.one_gpu); the plugin with today's settings on another GPU model dotted beside its
+    ratios, the others named in the title."""
     m = t[t["status"] == "measured"]
     h, gpu, other_gpus = one_gpu(m[m["set"] == "headline"])
     if h.empty:
@@ -177,6 +188,9 @@ def draw(t: pd.DataFrame, out: Path) -> None:
             f.plot(x, g["engine_x"], marker="s", ls="--", color=col[paper], label=paper)
     for lab, paper, g in other:
         o.plot(g["workload.prefix_len"].astype(int), g["sglang_x"], marker="^", ls="-.", color=col[paper], label=lab)
+    drawn = _other_gpus_today(t[t["status"] == "measured"], gpu)
+    for lab, paper, g in drawn:     # each over its own GPU model's SGLang default: beside, never pooled
+        b.plot(g["workload.prefix_len"].astype(int), g["sglang_x"], marker="D", ls=":", color=col[paper], label=lab)
     claim = paper_claims(["headline_llama8b_in_sglang"])
     if len(claim) and np.isfinite(claim["value"].iloc[0]):
         mark_paper(b, 16384, float(claim["value"].iloc[0]))
@@ -207,14 +221,18 @@ def draw(t: pd.DataFrame, out: Path) -> None:
         c.axvline(1.0, color="0.5", lw=0.8)
         c.set_xlabel("output throughput / own SGLang default")
         c.set_title("heterogeneous k=4, A100-40GB KV budget", fontsize=9)
-    also = f" (also measured on {', '.join(other_gpus)}: in the table)" if other_gpus else ""
+    shown = sorted({lab.rsplit(" on ", 1)[1] for lab, _, _ in drawn})
+    also = (f" (dotted, lower left: today's plugin on {', '.join(shown)}, over its own SGLang default)" if shown else "") \
+        + (f" (also measured on {', '.join(g for g in other_gpus if g not in shown)}: in the table)"
+           if set(other_gpus) - set(shown) else "")
     suptitle(fig, title_of("The four systems inside real SGLang (plugin) and in the engine, headline ShareGPT B=256",
                            gpu, ["Llama-3.1-8B TP=1"]) + also)
     fig.tight_layout(h_pad=2.0)
     legend_below(fig, [a, b, o], (0.36, 0.0), ncol=4)
     if not k.empty:
         legend_below(fig, [c], (0.86, 0.0), ncol=1)
-    save_figure(fig, NAME, out, data=m[["set", GPU, "workload.prefix_len", "system", *VARIANTS, "sglang_tok_s",
+    data = pd.concat([m] + [g for _, _, g in drawn])
+    save_figure(fig, NAME, out, data=data[["set", GPU, "workload.prefix_len", "system", *VARIANTS, "sglang_tok_s",
                                         "sglang_x", "engine_tok_s", "engine_x"]])
 
 
@@ -235,7 +253,7 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
                      "slower in kernel and plan time); decode_plan: how the plugin re-planned FlashInfer's decode "
                      "wrappers each step (fast: FlashInfer's fast_decode_plan, as SGLang's own backend; flashinfer: "
                      "the wrapper's plan(), a Python max() over the batch included); one row per setting, never pooled; "
-                     "NaN: not recorded. headline: ShareGPT, one shared prefix, H200 KV budget; hetero k=4: prefixes "
+                     "NaN: not recorded. headline: ShareGPT, one shared prefix, the GPU model's own KV budget (its preset); hetero k=4: prefixes "
                      "2K/4K/8K/16K, burst, A100-40GB KV budget (Lp column: the workload's nominal Lp).")
     if figures:
         draw(t, out)
