@@ -235,6 +235,9 @@ def test_in_sglang_systems_start_the_plugin(tmp_path, monkeypatch, system, attn,
         got = PluginSettings.from_env(dyn)
         assert (got.hot_split, got.hot_fraction, got.hot_min_fraction, got.hot_max_fraction, got.cold_watermark) == \
             ("dynamic", 0.2, 0.0, 0.4, 0.1)
+        # a forced path (the dispatcher's ablation, as the engine's) reaches the plugin's dispatcher
+        forced = dict(srvmod.server_spec(cfg([f"system={system}", "system.dispatch=paged_only"])).env)
+        assert PluginSettings.from_env(forced).dispatch == "paged_only" and env["GRANIKV_DISPATCH"] == "table"
     assert env["PYTHONPATH"] == "/site:/repo:/ep"
     assert Path(env["GRANIKV_STATS_FILE"]).parent == tmp_path / "plugin_stats"
     # SGLang's own system: no plugin on the path, nothing of granikv in its environment

@@ -85,6 +85,8 @@ def test_settings_from_the_environment():
     assert PluginSettings.from_env({}).cascade_impl == "composed"      # the SGLang-Cascade baseline's GPU path
     assert PluginSettings.from_env({"GRANIKV_CASCADE_IMPL": "multilevel"}).cascade_impl == "multilevel"
     assert PluginSettings.from_env({}).decode_plan == "fast"
+    assert PluginSettings.from_env({}).dispatch == "table"
+    assert PluginSettings.from_env({"GRANIKV_DISPATCH": "cascade_only"}).dispatch == "cascade_only"
     assert PluginSettings.from_env({"GRANIKV_DECODE_PLAN": "flashinfer"}).decode_plan == "flashinfer"
     dyn = PluginSettings.from_env({"GRANIKV_HOT_SPLIT": "dynamic", "GRANIKV_HOT_MAX_FRACTION": "0.6"})
     assert dyn.split_policy(1000).hot_max == 600 and PluginSettings.from_env({}).split_policy(1000) is None
@@ -93,7 +95,8 @@ def test_settings_from_the_environment():
                 {"GRANIKV_DECODE_PLAN": "quick"}, {"GRANIKV_HOT_SPLIT": "moving"},
                 {"GRANIKV_HOT_SPLIT": "dynamic", "GRANIKV_HOT_MAX_FRACTION": "0.1"},
                 {"GRANIKV_COLD_WATERMARK": "x"}, {"GRANIKV_HOT_MIN_FRACTION": "1.2"}, {"GRANIKV_DENSE_FOLD": "3"},
-                {"GRANIKV_DENSE_BACKEND": "fa9"}, {"GRANIKV_GRAPH_GROUPS": "0"}, {"GRANIKV_HYDRAGEN_SCRATCH": "-1"}):
+                {"GRANIKV_DENSE_BACKEND": "fa9"}, {"GRANIKV_GRAPH_GROUPS": "0"}, {"GRANIKV_HYDRAGEN_SCRATCH": "-1"},
+                {"GRANIKV_DISPATCH": "dense"}):
         with pytest.raises(ValueError, match="GRANIKV_"):
             PluginSettings.from_env(env)
 
@@ -103,9 +106,9 @@ SAMPLE = {"hot_fraction": 0.35, "prefix_len": 2048, "hardware": "h200", "stats_f
           "cascade_impl": "multilevel", "decode_plan": "flashinfer", "hot_split": "dynamic",
           "hot_min_fraction": 0.1, "hot_max_fraction": 0.6, "cold_watermark": 0.07, "graph_groups": 4,
           "graph_cascades": 2, "dense_fold": 4, "dense_fold_min_len": 8192, "dense_backend": "fa2",
-          "hydragen_scratch": 32768}
+          "hydragen_scratch": 32768, "dispatch": "paged_only"}
 # SystemConfig's fields the plugin does not read: what a server's command line or our engine takes
-ENGINE_ONLY = {"name", "backend", "dispatch", "tensor_core_decode", "dense_kernel", "engine", "server"}
+ENGINE_ONLY = {"name", "backend", "tensor_core_decode", "dense_kernel", "engine", "server"}
 
 
 def test_every_setting_round_trips_through_the_environment():

@@ -48,6 +48,9 @@ Settings (environment variables of the server, read when the scheduler builds it
   out the lowest slots of its free list first and appends freed ones, so those slots are usually a
   running request's: growth is rare (counted as ``grow_refused``), and making it reliable would need
   an allocator that keeps them free, which SGLang has no extension point for.
+- ``GRANIKV_DISPATCH`` (default ``table``): the ``granikv`` backend's dispatcher: the calibrated
+  table, or an ablation sending every prefix class one way (``dense_only``, ``cascade_only``,
+  ``paged_only``), as the engine's ``system.dispatch``.
 - ``GRANIKV_GRAPH_GROUPS`` (8), ``GRANIKV_GRAPH_CASCADES`` (8), ``GRANIKV_DENSE_FOLD`` (2),
   ``GRANIKV_DENSE_FOLD_MIN_LEN`` (12288), ``GRANIKV_DENSE_BACKEND`` (``auto``), ``GRANIKV_HYDRAGEN_SCRATCH``
   (65536): what a captured decode step holds (:class:`.settings.PluginSettings` says each).

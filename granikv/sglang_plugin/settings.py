@@ -9,7 +9,7 @@ import os
 from dataclasses import MISSING, fields, make_dataclass
 from typing import Any, Mapping
 
-from granikv.config import SystemConfig, check_split
+from granikv.config import DISPATCH, SystemConfig, check_split
 from granikv.kv.split_policy import SplitPolicy
 
 logger = logging.getLogger(__name__)
@@ -18,7 +18,7 @@ PREFIX_PARAM = "granikv_prefix_len"  # the key in a request's sampling_params.cu
 
 # SystemConfig's fields the plugin reads: a plugin server's cell passes them from its system (server_spec)
 SYSTEM_FIELDS = ("hot_fraction", "cascade_impl", "decode_plan", "hot_split", "hot_min_fraction", "hot_max_fraction",
-                 "cold_watermark")
+                 "cold_watermark", "dispatch")
 # the plugin's defaults where they are not SystemConfig's (an SGLang server started by hand): the batch-global
 # cascade's composed GPU path, the SGLang-Cascade baseline's (conf/system/sglang_cascade.yaml); fast decode
 # re-plans, as SGLang's own FlashInfer backend re-plans its decode graphs (granikv.attention.flashinfer_ops)
@@ -74,6 +74,9 @@ class _Settings:
         if self.dense_backend not in DENSE_BACKENDS:
             raise ValueError(f"config error at `{env_name('dense_backend')}`: must be one of {DENSE_BACKENDS}, "
                              f"got {self.dense_backend!r}")
+        if self.dispatch not in DISPATCH:
+            raise ValueError(f"config error at `{env_name('dispatch')}`: must be one of {DISPATCH} (table: the "
+                             f"calibrated dispatcher; *_only: every prefix class on that path), got {self.dispatch!r}")
         check_split(self, env_name)
 
     @classmethod
@@ -129,7 +132,10 @@ default) or ``flashinfer`` (the wrapper's ``plan()`` every step). ``hot_split``:
 HOT region keeps ``hot_fraction`` of the pool) or ``dynamic`` (it grows into free slots above it
 on a HOT miss and gives free slots at its end back under COLD pressure, between
 ``hot_min_fraction`` and ``hot_max_fraction`` of the pool, keeping ``cold_watermark`` of it free
-for COLD; the rules of :class:`granikv.kv.SplitPolicy`, as in the engine).
+for COLD; the rules of :class:`granikv.kv.SplitPolicy`, as in the engine). ``dispatch``: the ``granikv``
+backend's dispatcher, as the engine's ``system.dispatch``: ``table`` (the calibrated decision table, the
+default) or an ablation that sends every prefix class one way (``dense_only``, ``cascade_only``,
+``paged_only``; ``table_one_class``: the table as if each step held one class).
 
 Full decode CUDA graphs (:mod:`granikv.attention.graph_step`): a captured step holds ``graph_groups``
 dense groups per dense launch and ``graph_cascades`` cascade classes (a class beyond them takes the next
