@@ -203,3 +203,17 @@ def test_a_configuration_without_todays_settings_keeps_one_combination_never_two
     tok = kept.groupby("workload.prefix_len")["output_throughput_tok_s"].apply(list).to_dict()
     assert tok == {16384: [4000], 8192: [3000]}
     assert list(kept.columns) == list(pd.DataFrame(rows).columns)      # no derived column leaks out
+
+
+def test_a_forced_path_is_an_ablation_left_out_of_the_table():
+    """A plugin (or engine) cell whose dispatcher was forced (system.dispatch=*_only) is not GraniKV: it never
+    enters the GraniKV row, in SGLang or in the engine; a cell from before the key counts as the table's."""
+    rows = [cell(HEAD, "sglang_server", 512, 10000), cell(HEAD, "sglang_default", 512, 10000),
+            {**cell(HEAD, "sglang_server_granikv", 512, 9000), "system.dispatch": "table"},
+            {**cell(HEAD, "sglang_server_granikv", 512, 6000), "system.dispatch": "cascade_only"},
+            cell(HEAD, "granikv", 512, 11000),
+            {**cell(HEAD, "granikv", 512, 3000), "system.dispatch": "dense_only"}]
+    t = in_sglang.in_sglang_table(results(rows)).set_index(["set", "workload.prefix_len", "system"])
+    g = t.loc[("headline", 512, "granikv")]
+    assert (g["n_sglang"], g["sglang_x"]) == (1, pytest.approx(0.9))
+    assert (g["n_engine"], g["engine_x"]) == (1, pytest.approx(1.1))

@@ -65,6 +65,8 @@ def in_sglang_table(res: Results) -> pd.DataFrame:
     """One row per (cell set, GPU model, Lp, paper system); ``not measured`` rows for planned points without a
     cell (per GPU model with cells in the set; without a GPU model where the set has none)."""
     cells = with_graph_form(with_gpu(with_derived(res.cells))) if not res.cells.empty else res.cells
+    if "system.dispatch" in cells.columns:   # a forced path (dispatch=*_only, engine or plugin) is an ablation
+        cells = cells[cells["system.dispatch"].fillna("table") == "table"]
     rows = []
     for name, sel in SETS.items():
         df = select(cells, {**COMMON, **sel}) if not cells.empty else cells
