@@ -223,7 +223,7 @@ def draw(t: pd.DataFrame, out: Path) -> None:
         c.axvline(1.0, color="0.5", lw=0.8)
         c.set_xlabel("output throughput / own SGLang default")
         c.set_title("heterogeneous k=4, A100-40GB KV budget", fontsize=9)
-    shown = sorted({lab.rsplit(" on ", 1)[1] for lab, _, _ in drawn})
+    shown = sorted({gpu_names(g).iloc[0] for _, _, g in drawn})
     also = (f" (dotted, lower left: today's plugin on {', '.join(shown)}, over its own SGLang default)" if shown else "") \
         + (f" (also measured on {', '.join(g for g in other_gpus if g not in shown)}: in the table)"
            if set(other_gpus) - set(shown) else "")
