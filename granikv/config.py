@@ -263,6 +263,9 @@ class HardwareConfig:
     peak_tflops: float = 0.0          # measured bf16 dense peak (kernel_bench roofline)
     peak_tbps: float = 0.0            # measured HBM bandwidth
     decision_table: Optional[list[dict[str, Any]]] = None  # fitted by runners.calibrate
+    # the SGLang plugin's graph rules, fitted on its captured decode step by runners.graph_step_bench
+    # (granikv.attention.dispatch.plugin_table); the engine never reads them
+    plugin_graph_table: Optional[list[dict[str, Any]]] = None
     overlap_schedule: bool = True     # SGLang's default: launch decode step t+1 before reading step t's tokens
     fused_ops: str = "auto"           # RMSNorm/RoPE/SiLU-mul as FlashInfer's fused kernels (SGLang's): auto = on CUDA | on | off
     # TP all-reduce: nccl (torch.distributed) | symm_one_shot (torch symmetric-memory one-shot kernel over

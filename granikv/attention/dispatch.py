@@ -95,6 +95,34 @@ def check_table(table: Optional[list[dict[str, Any]]], where: str = "hardware.de
     return out
 
 
+def plugin_table(decision_table: Optional[list[dict[str, Any]]],
+                 plugin_graph_table: Optional[list[dict[str, Any]]]) -> list[dict]:
+    """The table the SGLang plugin decides with: its own graph rules (``hardware.plugin_graph_table``,
+    fitted by ``runners.graph_step_bench`` on the plugin's captured step, whose kernels are not the
+    engine's) for every GPU and shape they name, then the decision table's rules: its eager rules
+    everywhere (the plugin's eager steps run the engine's code), its graph rules only for a GPU and
+    shape the plugin table does not name. Without a plugin table: the decision table as it is."""
+    own = check_table(plugin_graph_table, "hardware.plugin_graph_table")
+    if not own:
+        return check_table(decision_table)
+    bad = [i for i, r in enumerate(own) if r.get("graph") is not True]
+    if bad:
+        raise ValueError(f"hardware.plugin_graph_table[{bad[0]}].graph: must be true (the plugin's captured step "
+                         f"only); its eager steps take the decision table's eager rules")
+    covered = {(str(r.get("gpu", "*")).lower(), r.get("num_q_heads"), r.get("num_kv_heads"), r.get("head_dim"))
+               for r in own}
+    out = list(own)
+    for r in check_table(decision_table):
+        key = (str(r.get("gpu", "*")).lower(), r.get("num_q_heads"), r.get("num_kv_heads"), r.get("head_dim"))
+        if r.get("graph") is None:        # a rule for both kinds: its eager half always, its graph half if uncovered
+            out.append({**r, "graph": False})
+            if key not in covered:
+                out.append({**r, "graph": True})
+        elif r["graph"] is False or key not in covered:
+            out.append(r)
+    return out
+
+
 class _DecisionCache(dict):
     """(prefix_len, batch_class[, classes]) -> choice for one step kind (and HOT or COLD prefixes); a key
     not seen yet is decided by the dispatcher's table (``classes``, the step's prefix-class count,
@@ -176,15 +204,19 @@ class Dispatcher:
 
     @classmethod
     def from_hardware(cls, hw_cfg: Any, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                      mode: str = "table", gpu_name: Optional[str] = None) -> "Dispatcher":
-        """From a HardwareConfig: its decision_table; the GPU name from the config, else torch."""
+                      mode: str = "table", gpu_name: Optional[str] = None, plugin: bool = False) -> "Dispatcher":
+        """From a HardwareConfig: its decision_table (``plugin``: :func:`plugin_table`, the SGLang plugin's
+        own graph rules first); the GPU name from the config, else torch."""
         name = gpu_name if gpu_name is not None else (getattr(hw_cfg, "gpu_name", "") or "")
         if not name:
             import torch
 
             if torch.cuda.is_available():
                 name = torch.cuda.get_device_name(0)
-        return cls(num_q_heads, num_kv_heads, head_dim, name, getattr(hw_cfg, "decision_table", None), mode)
+        table = getattr(hw_cfg, "decision_table", None)
+        if plugin:
+            table = plugin_table(table, getattr(hw_cfg, "plugin_graph_table", None))
+        return cls(num_q_heads, num_kv_heads, head_dim, name, table, mode)
 
     def _matches(self, r: dict) -> bool:
         return rule_applies(r, self.gpu_name, self.shape)

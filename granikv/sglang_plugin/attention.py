@@ -90,7 +90,8 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
         if policy_name == "granikv":
             gpu = torch.cuda.get_device_name(model_runner.device) if torch.cuda.is_available() else ""
             hw = load_hardware(self.settings.hardware, gpu)
-            dispatcher = Dispatcher.from_hardware(hw, hq, hkv, d, mode=self.settings.dispatch, gpu_name=gpu)
+            dispatcher = Dispatcher.from_hardware(hw, hq, hkv, d, mode=self.settings.dispatch, gpu_name=gpu,
+                                                  plugin=True)
             logger.info("granikv attention: decision table from %s", describe(hw))
         self.decode = DecodeAttention(make_policy(policy_name, dispatcher), hq, hkv, d, device=model_runner.device,
                                       dtype=model_runner.dtype, sm_scale=mc.head_dim ** -0.5, impl="flashinfer",

@@ -143,7 +143,8 @@ def load_hardware(spec: str, gpu_name: str, conf_dir: Path = CONF_HARDWARE) -> O
             if isinstance(own, dict) and own.get("gpu_name") and own.get("gpu_name") == gpu_name:
                 data = read(p)
                 return SimpleNamespace(name=data.get("name", p.stem), gpu_name=gpu_name,
-                                       decision_table=data.get("decision_table"), source=str(p))
+                                       decision_table=data.get("decision_table"),
+                                       plugin_graph_table=data.get("plugin_graph_table"), source=str(p))
         return None
     p = Path(spec) if spec.endswith((".yaml", ".yml")) or os.sep in spec else conf_dir / f"{spec}.yaml"
     if not p.is_file():
@@ -153,7 +154,8 @@ def load_hardware(spec: str, gpu_name: str, conf_dir: Path = CONF_HARDWARE) -> O
     if not data.get("decision_table"):
         raise ValueError(f"GRANIKV_HARDWARE={spec!r}: {p} has no decision_table (run `python -m runners.calibrate`)")
     return SimpleNamespace(name=data.get("name", p.stem), gpu_name=data.get("gpu_name") or gpu_name,
-                           decision_table=data["decision_table"], source=str(p))
+                           decision_table=data["decision_table"], plugin_graph_table=data.get("plugin_graph_table"),
+                           source=str(p))
 
 
 def describe(hw: Optional[Any]) -> str:
