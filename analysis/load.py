@@ -211,10 +211,14 @@ def find_superseded(root: str | Path) -> list[Path]:
 
 def _superseded_frame(root: Path) -> pd.DataFrame:
     """One row per finished superseded cell: ``sweep`` and ``cell_id`` of the cell it was (its config says),
-    ``path`` where it is kept, then its config and metrics as in ``cells``."""
+    ``path`` where it is kept, then its config and metrics as in ``cells``. A kept cell that does not load
+    (it was set aside for its malformed files) has no row."""
     rows = []
     for old in find_superseded(root):
-        state, row, *_ = _load_cell(root, old)
+        try:
+            state, row, *_ = _load_cell(root, old)
+        except SchemaError:          # kept aside because its own form was wrong (e.g. a fit cell without rows)
+            continue
         if state == "done":
             cid = row.get("cell.cell_id") or old.name.rsplit(".", 1)[0]
             rows.append({**row, "sweep": str(old.relative_to(root).parent.parent), "cell_id": cid})

@@ -22,12 +22,13 @@ decision table's graph rules pick for its classes today.
 Fit (``fit``): the one-class cells give points ``{prefix_len, meff, times}`` for ``runners.calibrate.fit``;
 the rules are the plugin's graph rules (``graph: true``), written to ``<results_dir>/<sweep_name>/fit-<shape>/``
 and, with ``write_table``, into ``conf/hardware/<hw>.yaml`` under the key ``plugin_graph_table`` (only that key
-is rewritten; ``fit_only=true`` does this from the finished cells on any machine, writing no raw result). Cells: ``<results_dir>/<sweep_name>/<case>/`` (granikv.rawio schema: config.json with
+is rewritten; ``fit_only=true`` does this from the finished cells on any machine, measuring nothing). Cells: ``<results_dir>/<sweep_name>/<case>/`` (granikv.rawio schema: config.json with
 provenance, kernel.jsonl one row per variant, metrics.json); resumable, a failed cell writes failure.json and
 the sweep goes on.
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 import traceback
@@ -102,7 +103,7 @@ class GraphStepSpec:
     write_table: bool = False
     hardware_yaml: str = ""
     time_budget_s: float = 0.0         # > 0: no cell starts after this many seconds (the first always does)
-    fit_only: bool = False             # measure nothing: fit (and write) from the finished cells, on any machine
+    fit_only: bool = False             # measure nothing: fit the finished cells (and write the table), on any machine
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -356,15 +357,28 @@ def run(spec: GraphStepSpec) -> dict:
     if pts:
         gpu = spec.gpu_name or (torch.cuda.get_device_name(0) if dev.type == "cuda" and not spec.fit_only else "*")
         rules = [{**r, "graph": True} for r in fit(pts, gpu, spec.shape)]
-        fd = root / f"fit-{spec.shape.name}"
-        if not spec.fit_only:           # the GPU run's fit cell; a fit_only run writes no raw result
-            rawio.write_json(fd / "config.json", {**asdict(spec), "cell": {"cell_id": fd.name, "kind": "graph_step_fit"},
-                                                  "provenance": prov})
-            rawio.write_json(fd / "metrics.json", {"cell_id": fd.name, "points": pts, "rules": rules})
+        write_fit_cell(root / f"fit-{spec.shape.name}", spec, prov, pts, rules)
         report["rules"] = rules
         if spec.write_table:
             write_plugin_table(Path(spec.hardware_yaml), rules, spec.shape, gpu)
     return report
+
+
+def write_fit_cell(fd: Path, spec: GraphStepSpec, prov: dict, pts: list[dict], rules: list[dict]) -> None:
+    """The fit as a cell of its own (kind ``graph_step_fit``: kernel.jsonl one row per point, metrics.json the
+    points and rules), as runners.calibrate writes its ``fit-<shape>``. A fit cell that holds these points and
+    rules already is left as it is; any other is moved aside to ``<sweep>/.superseded/<id>.<UTC time>/`` first."""
+    want = {"cell_id": fd.name, "points": pts, "rules": rules}
+    if (fd / "metrics.json").exists():
+        if rawio.exists(fd / "kernel.jsonl") and rawio.read_json(fd / "metrics.json") == json.loads(json.dumps(want)):
+            return
+        aside = fd.parent / ".superseded" / f"{fd.name}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        fd.rename(aside)
+    rawio.write_json(fd / "config.json", {**asdict(spec), "cell": {"cell_id": fd.name, "kind": "graph_step_fit",
+                                                                   "shape": asdict(spec.shape)}, "provenance": prov})
+    rawio.write_jsonl(fd / "kernel.jsonl", pts)
+    rawio.write_json(fd / "metrics.json", want)
 
 
 def write_plugin_table(path: Path, rules: list[dict], shape: Shape, gpu: str) -> None:

@@ -50,7 +50,7 @@ def test_bench_cells_paths_fit_and_resume(fake_fi_module, tmp_path):
     assert gsb.run(spec)["skipped"] == names
 
 
-def test_fit_only_writes_the_plugin_table_and_no_raw_result(fake_fi_module, tmp_path):
+def test_fit_only_writes_the_plugin_table_and_keeps_an_equal_fit_cell(fake_fi_module, tmp_path):
     from runners import graph_step_bench as gsb
 
     gsb.run(_spec(tmp_path))
@@ -59,7 +59,7 @@ def test_fit_only_writes_the_plugin_table_and_no_raw_result(fake_fi_module, tmp_
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "graph_step_cpu").rglob("*")}
     rep = gsb.run(_spec(tmp_path, ["fit_only=true", "write_table=true", f"hardware_yaml={hw}"]))
     assert rep["skipped"] and not rep["done"]
-    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "graph_step_cpu").rglob("*")} == before
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "graph_step_cpu").rglob("*")} == before   # nothing rewritten
     data = yaml.safe_load(hw.read_text())
     assert data["decision_table"] == [{"choice": "paged", "graph": False}] and data["name"] == "x"
     assert data["plugin_graph_table"] == rep["rules"]
@@ -67,6 +67,18 @@ def test_fit_only_writes_the_plugin_table_and_no_raw_result(fake_fi_module, tmp_
     assert yaml.safe_load(hw.read_text())["plugin_graph_table"] == rep["rules"]
     with pytest.raises(ValueError, match="graph_step_bench.fit_only"):
         gsb.run(_spec(tmp_path / "empty", ["fit_only=true"]))
+
+
+def test_a_fit_cell_of_other_content_is_moved_aside(fake_fi_module, tmp_path):
+    from runners import graph_step_bench as gsb
+
+    gsb.run(_spec(tmp_path))
+    fd = tmp_path / "graph_step_cpu" / "fit-tiny_g4"
+    (fd / "kernel.jsonl").unlink()               # a fit cell in an older form: no kernel.jsonl
+    gsb.run(_spec(tmp_path, ["fit_only=true"]))
+    aside = list((tmp_path / "graph_step_cpu" / ".superseded").iterdir())
+    assert len(aside) == 1 and aside[0].name.startswith("fit-tiny_g4.") and (fd / "kernel.jsonl").exists()
+    assert rawio.read_json(fd / "config.json")["cell"]["kind"] == "graph_step_fit"
 
 
 def test_a_spent_time_budget_starts_no_cell(fake_fi_module, tmp_path):

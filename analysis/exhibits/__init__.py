@@ -13,7 +13,7 @@ from analysis.exhibits.kernel import prefix_kernel, amdahl
 from analysis.exhibits.dispatch import dispatch_routing, dispatch_regret, dispatch_overhead
 from analysis.exhibits.kernel import profiler
 from analysis.exhibits.headline import limitation
-from analysis.exhibits.kernel import gemm_floor, distance_to_limit, hot_batch
+from analysis.exhibits.kernel import gemm_floor, distance_to_limit, hot_batch, graph_step
 from analysis.exhibits.beyond import beyond, beyond_steps, beyond_plan
 from analysis.exhibits.campaign import coverage, reruns, claim_map
 from analysis.registry import chapter_lines, exhibits
@@ -21,4 +21,4 @@ from analysis.registry import chapter_lines, exhibits
 __all__ = ["chapter_lines", "exhibits", "headline", "engine_fidelity", "in_sglang", "headline_steps", "prefill_host", "prefill_host_ops", "grid",
            "sharegpt_matrix", "multiprefix", "kernel", "kernel_breakdown", "plan_host", "multiclass", "prefix_kernel",
            "amdahl", "dispatch_routing", "dispatch_regret", "dispatch_overhead", "profiler", "limitation", "gemm_floor",
-           "distance_to_limit", "hot_batch", "beyond", "beyond_steps", "beyond_plan", "coverage", "reruns", "claim_map"]
+           "distance_to_limit", "hot_batch", "graph_step", "beyond", "beyond_steps", "beyond_plan", "coverage", "reruns", "claim_map"]

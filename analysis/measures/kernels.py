@@ -17,8 +17,8 @@ TIME_FIELDS = (("k.time_ms", 1.0), ("k.mean_ms", 1.0), ("k.median_ms", 1.0), ("k
                ("k.us_per_step", 1e-3))
 
 
-DERIVED_KINDS = ("calibration_fit",)  # rows copied from other cells: left out of the table
-OWN_EXHIBIT_KINDS = ("hot_batch",)    # cells whose variants only their own exhibit compares (per case): left out too
+DERIVED_KINDS = ("calibration_fit", "graph_step_fit")  # rows copied from other cells: left out of the table
+OWN_EXHIBIT_KINDS = ("hot_batch", "graph_step")   # cells whose variants only their own exhibit compares (per case): left out too
 
 
 def _first(df: pd.DataFrame, names: tuple[str, ...]) -> pd.Series:
