@@ -50,6 +50,7 @@ from granikv.attention.batch import DecodeBatch, to_device
 from granikv.attention.decode import DecodeAttention
 from granikv.attention.dispatch import Dispatcher
 from granikv.attention.gpu_paths import host_range
+from granikv.attention.graph_if import capturing
 from granikv.attention.graph_step import GraphLimits, GraphStep, capture_plan, plan_graph_step, shared_buffers
 from granikv.attention.policy import make_policy
 from granikv.sglang_plugin.path_stats import PathStats, StatsWriter, describe, load_hardware
@@ -278,10 +279,11 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
             self.kv_indptr[0], gs.skip, None, lens_h, fixed_split_size=None,
             disable_split_kv=self.disable_cuda_graph_kv_split)
         t3 = time.perf_counter()
+        host = (t3 - t0) * 1e6 + (staged.host_us if staged is not None else 0.0)
+        self.stats.replay(host)
         if reason is not None or not p.split:
             self._paged(reason or "no_split")
             return
-        host = (t3 - t0) * 1e6 + staged.host_us
         self.stats.split(p.decisions(self.decode.group, raw), staged.host_us, choose_us, host,
                          index_us=(t3 - t2) * 1e6, make_us=(t1 - t0) * 1e6, load_us=(t2 - t1) * 1e6, graph=True)
         self._writer.maybe_write(self.stats)
@@ -298,6 +300,8 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
                                             logits_soft_cap=layer.logit_cap, k_scale=layer.k_scale_float,
                                             v_scale=layer.v_scale_float)
         self._gs.run(q3, k_buf, v_buf, o, lse)
+        if layer.layer_id == 0 and capturing() and self._gs.conditional:
+            self.stats.conditional_graphs += 1
         return o.view(-1, hq * d)
 
     # ---- run (per layer) -------------------------------------------------------------------------

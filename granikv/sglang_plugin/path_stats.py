@@ -36,7 +36,11 @@ class PathStats:
     policy's choices (the dispatcher), ``plan_us`` the whole plan (both of those, the KV index
     build and FlashInfer's plan calls); the plan's stages apart: ``index_us`` (the step's KV index
     list and its copy to the device), ``make_us`` (the step plan: classes, policy, rest-of-request
-    slots) and ``load_us`` (FlashInfer's plan calls on the plan).
+    slots) and ``load_us`` (FlashInfer's plan calls on the plan). Full decode graphs: ``replay_steps``
+    every replayed decode step (split or not) and ``replay_host_us`` their whole host time (reading the
+    prefixes, the plan, the buffer load, the rest decode's index list and re-plan); ``conditional_graphs``
+    the captured batch sizes whose prefix work is an IF node of the graph (skipped in a step without a
+    split: :mod:`granikv.attention.graph_if`).
     """
 
     backend: str
@@ -54,6 +58,9 @@ class PathStats:
     make_us: float = 0.0
     load_us: float = 0.0
     max_batch: int = 0
+    replay_steps: int = 0
+    replay_host_us: float = 0.0
+    conditional_graphs: int = 0
 
     def paged(self, reason: str) -> None:
         if reason not in self.paged_steps:
@@ -81,10 +88,16 @@ class PathStats:
         self.make_us += make_us
         self.load_us += load_us
 
+    def replay(self, host_us: float) -> None:
+        """One replayed decode step of a full decode graph (split or not): its host time."""
+        self.replay_steps += 1
+        self.replay_host_us += host_us
+
     def to_dict(self) -> dict:
         d = asdict(self)
         n = max(self.split_steps, 1)
         d["per_split_step_us"] = {k: getattr(self, f"{k}_us") / n for k in STAGES}
+        d["per_replay_step_us"] = self.replay_host_us / max(self.replay_steps, 1)
         return d
 
 
