@@ -165,6 +165,10 @@ def test_path_stats_count_and_the_file_is_replaced_whole(tmp_path, monkeypatch):
     assert d["classes"]["paged"] == 0 and d["paged_steps"]["no_prefix"] == 1 and d["max_batch"] == 32
     assert d["per_split_step_us"] == {"prefix": 10.0, "dispatch": 2.0, "plan": 50.0, "index": 5.0, "make": 15.0,
                                       "load": 20.0}
+    assert d["replay_steps"] == 0 and d["per_replay_step_us"] == 0.0
+    st.replay(300.0)
+    st.replay(100.0)                                    # every replayed step, split or not
+    assert st.to_dict()["replay_steps"] == 2 and st.to_dict()["per_replay_step_us"] == 200.0
     w = StatsWriter(str(tmp_path / "s" / "stats.json"), interval_s=3600)
     w.maybe_write(st)
     st.paged("no_split")
@@ -185,6 +189,10 @@ def test_the_measured_window_is_after_minus_before():
     assert d["steps"] == 20 and d["classes"]["dense"] == 10 and d["backend"] == "granikv"
     assert d["per_split_step_us"]["dispatch"] == pytest.approx(2.0) and d["per_split_step_us"]["plan"] == pytest.approx(10.0)
     assert stats_delta({**before, "pid": 8}, after)["steps"] == 30       # another server: all of it
+    r = stats_delta({**before, "replay_steps": 5, "replay_host_us": 500.0},
+                    {**after, "replay_steps": 25, "replay_host_us": 4500.0})
+    assert r["per_replay_step_us"] == pytest.approx(200.0)                 # host time per replayed step
+    assert "per_replay_step_us" not in d                                   # counters of a server without them
     assert stats_delta(before, None) is None
 
 

@@ -12,9 +12,6 @@ Each launch reads one run of ``qp``: rows before its run form a lead segment ove
 source's first ``dummy`` keys, which no slab holds) or a dummy slot (cascade); rows after it are not
 covered. Their outputs are never read: row r merges only the source ``kind[r]`` names, at ``src[r]``.
 
-Captured (where torch can), the per-layer prefix work is an IF node of the graph, run only in a step in
-which some row splits (:mod:`granikv.attention.graph_if`); a step with none costs what SGLang's decode does.
-
 What changes from step to step (classes, paths, slabs, row order) is written into fixed buffers before
 the replay: :func:`plan_graph_step` is the host arithmetic (pure, no tensor), :meth:`GraphStep.load` one
 pinned host->device copy, the cascade's slot list built on the device, and a FlashInfer re-plan only of a
@@ -31,7 +28,6 @@ import torch
 
 from granikv.attention import flashinfer_ops as fo
 from granikv.attention.batch import arange
-from granikv.attention.graph_if import capturing, run_if_any
 from granikv.attention.hot_batch import HotBatch, HotGroup, plan_hot_batch
 from granikv.attention.plan import ClassPlan, group_prefix_classes
 from granikv.attention.policy import PrefixPolicy
@@ -282,7 +278,6 @@ class GraphStep:
         self.g_src, self.g_dst = sh.get("g_src"), sh.get("g_dst")
         self._planned: list = [None] * (len(lim.folds) + 1)      # each launch's last segments (re-plan on change)
         self.plan_: Optional[GraphStepPlan] = None
-        self.conditional = False          # the last run captured the prefix work as an IF node (run's doc)
 
     def load(self, p: GraphStepPlan, slot_table: torch.Tensor, req_pool_indices: torch.Tensor) -> None:
         """Write step ``p`` into the buffers the captured ``run`` reads (host + async device work, no sync);
@@ -345,16 +340,7 @@ class GraphStep:
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
             lse: torch.Tensor) -> None:
         """One layer, in place: q [B, Hq, D]; k_cache / v_cache [C, Hkv, D]; o [B, Hq, D] / lse [B, Hq] (fp32,
-        base 2) the rest decode's state, merged with each split row's prefix state. Captured into a CUDA graph
-        (where torch can), the prefix launches and the merge are an IF node run only in a step in which some
-        row splits (``kind`` non-zero; :mod:`granikv.attention.graph_if`): a step with none replays the rest
-        decode alone, as SGLang's own captured decode. ``conditional`` says whether the last capture did so."""
-        captured = run_if_any(self.kind, lambda: self._prefix(q, k_cache, v_cache, o, lse))
-        if capturing():
-            self.conditional = captured
-
-    def _prefix(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
-                lse: torch.Tensor) -> None:
+        base 2) the rest decode's state, merged with each split row's prefix state."""
         qp = q.index_select(0, self.perm)                                       # [B, Hq, D]
         kd, vd = k_cache, v_cache
         if self.lim.scratch:

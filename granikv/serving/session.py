@@ -170,6 +170,8 @@ def stats_delta(before: Optional[dict], after: Optional[dict]) -> Optional[dict]
     out["pid"] = after.get("pid")
     n = max(int(out.get("split_steps") or 0), 1)
     out["per_split_step_us"] = {k: out.get(f"{k}_us", 0.0) / n for k in STAGES}
+    if "replay_steps" in out:
+        out["per_replay_step_us"] = (out.get("replay_host_us") or 0.0) / max(int(out["replay_steps"] or 0), 1)
     out.pop("max_batch", None)
     out["max_batch_since_start"] = after.get("max_batch")
     return out

@@ -50,7 +50,6 @@ from granikv.attention.batch import DecodeBatch, to_device
 from granikv.attention.decode import DecodeAttention
 from granikv.attention.dispatch import Dispatcher
 from granikv.attention.gpu_paths import host_range
-from granikv.attention.graph_if import capturing
 from granikv.attention.graph_step import GraphLimits, GraphStep, capture_plan, plan_graph_step, shared_buffers
 from granikv.attention.policy import make_policy
 from granikv.sglang_plugin.path_stats import PathStats, StatsWriter, describe, load_hardware
@@ -300,8 +299,6 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
                                             logits_soft_cap=layer.logit_cap, k_scale=layer.k_scale_float,
                                             v_scale=layer.v_scale_float)
         self._gs.run(q3, k_buf, v_buf, o, lse)
-        if layer.layer_id == 0 and capturing() and self._gs.conditional:
-            self.stats.conditional_graphs += 1
         return o.view(-1, hq * d)
 
     # ---- run (per layer) -------------------------------------------------------------------------

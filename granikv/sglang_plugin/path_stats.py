@@ -38,9 +38,7 @@ class PathStats:
     list and its copy to the device), ``make_us`` (the step plan: classes, policy, rest-of-request
     slots) and ``load_us`` (FlashInfer's plan calls on the plan). Full decode graphs: ``replay_steps``
     every replayed decode step (split or not) and ``replay_host_us`` their whole host time (reading the
-    prefixes, the plan, the buffer load, the rest decode's index list and re-plan); ``conditional_graphs``
-    the captured batch sizes whose prefix work is an IF node of the graph (skipped in a step without a
-    split: :mod:`granikv.attention.graph_if`).
+    prefixes, the plan, the buffer load, the rest decode's index list and re-plan).
     """
 
     backend: str
@@ -60,7 +58,6 @@ class PathStats:
     max_batch: int = 0
     replay_steps: int = 0
     replay_host_us: float = 0.0
-    conditional_graphs: int = 0
 
     def paged(self, reason: str) -> None:
         if reason not in self.paged_steps:
