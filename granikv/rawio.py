@@ -150,11 +150,19 @@ def flatten(obj: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+PLUGIN_TABLE_SYSTEMS = ("sglang_server_granikv",)   # the systems whose dispatcher reads hardware.plugin_graph_table
+
+
 def applicable_table(config: dict) -> dict:
-    """``config`` with ``hardware.decision_table`` cut to the rules the cell's dispatcher could use
-    (its GPU and per-rank attention shape, granikv.attention.dispatch.rule_applies): the preset's
-    table gains rules for other shapes as they are calibrated, which never change a run, and must not
-    tell two otherwise equal configurations apart."""
+    """``config`` with ``hardware.decision_table`` (and ``plugin_graph_table``) cut to the rules the cell's
+    dispatcher could use (its GPU and per-rank attention shape, granikv.attention.dispatch.rule_applies): the
+    preset's table gains rules for other shapes as they are calibrated, which never change a run, and must not
+    tell two otherwise equal configurations apart. ``plugin_graph_table`` is left out of the config of every
+    system but the SGLang plugin's GraniKV (PLUGIN_TABLE_SYSTEMS): no other reads it."""
+    hw = config.get("hardware")
+    system = config.get("system") if isinstance(config.get("system"), dict) else {}
+    if isinstance(hw, dict) and "plugin_graph_table" in hw and system.get("name") not in PLUGIN_TABLE_SYSTEMS:
+        config = {**config, "hardware": {k: v for k, v in hw.items() if k != "plugin_graph_table"}}
     hw, model, tp = config.get("hardware"), config.get("model"), config.get("tp")
     if not (isinstance(hw, dict) and isinstance(model, dict) and isinstance(hw.get("decision_table"), list)
             and isinstance(tp, int) and tp > 0
@@ -163,7 +171,11 @@ def applicable_table(config: dict) -> dict:
     gpu = hw.get("gpu_name") or (config.get("provenance") or {}).get("gpu_name") or ""
     shape = (model["num_heads"] // tp, model["num_kv_heads"] // tp, model["head_dim"])
     rules = [r for r in hw["decision_table"] if isinstance(r, dict) and rule_applies(r, gpu, shape)]
-    return {**config, "hardware": {**hw, "decision_table": rules}}
+    out = {**hw, "decision_table": rules}
+    if isinstance(hw.get("plugin_graph_table"), list):
+        out["plugin_graph_table"] = [r for r in hw["plugin_graph_table"]
+                                     if isinstance(r, dict) and rule_applies(r, gpu, shape)]
+    return {**config, "hardware": out}
 
 
 def _git(*args: str) -> str:

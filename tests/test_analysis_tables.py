@@ -28,6 +28,16 @@ def test_applicable_table_keeps_the_rules_of_the_cells_gpu_and_per_rank_shape():
     assert applicable_table({"hardware": {"decision_table": table}}) == {"hardware": {"decision_table": table}}
 
 
+def test_the_plugin_table_belongs_to_the_plugins_granikv_only():
+    plug = [{**_rule(32, 8, "dense"), "graph": True}, {**_rule(10, 2, "paged"), "graph": True}]
+    cfg = {"tp": 1, "model": {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128},
+           "hardware": {"gpu_name": "NVIDIA H200", "decision_table": [], "plugin_graph_table": plug}}
+    for name in ("granikv", "sglang_server", "sglang_server_hydragen"):   # they never read it
+        assert "plugin_graph_table" not in applicable_table({**cfg, "system": {"name": name}})["hardware"]
+    got = applicable_table({**cfg, "system": {"name": "sglang_server_granikv"}})["hardware"]["plugin_graph_table"]
+    assert got == [plug[0]]                                           # its GPU and per-rank shape only
+
+
 def test_json_digest_tells_tables_apart_and_leaves_other_values():
     a, b = json.dumps([_rule(32, 8, "dense")]), json.dumps([_rule(32, 8, "paged")])
     assert json_digest(a).startswith("1 rules #") and json_digest(a) != json_digest(b)

@@ -71,12 +71,26 @@ def plugin_counters(cells: pd.DataFrame) -> dict:
 PRIORITY = ("decode_graphs", "decode_plan", "cascade_impl")
 
 
+# sweeps whose cells are an ablation with an exhibit of its own (in_sglang_paths: every prefix path forced inside
+# SGLang, its `table` cell at the ablation's code version): never a row of the in-SGLang table or a claim's number
+ABLATION_SWEEPS = ("in_sglang_paths",)
+
+
+def without_ablations(cells: pd.DataFrame) -> pd.DataFrame:
+    """``cells`` without those of an ABLATION_SWEEPS sweep."""
+    if cells.empty or "sweep" not in cells.columns:
+        return cells
+    return cells[~cells["sweep"].astype(str).str.startswith(ABLATION_SWEEPS)]
+
+
 def prefer_current(cells: pd.DataFrame, config_cols) -> pd.DataFrame:
     """``cells`` with, per configuration of an in-SGLang plugin system (every identity column but its settings),
     only the cells of ONE combination of plugin settings (VARIANTS; the graph form by :func:`with_graph_form`):
     the closest to today's, a setting earlier in PRIORITY deciding first. The claims measure today's plugin
     where a configuration has it and never pool across settings; a configuration measured only with older
-    settings keeps the most recent of them (the table names every combination)."""
+    settings keeps the most recent of them (the table names every combination). Ablation cells
+    (ABLATION_SWEEPS) are left out."""
+    cells = without_ablations(cells)
     if cells.empty or "system.name" not in cells.columns:
         return cells
     given, cells = cells, with_graph_form(cells)      # the derived column decides; the caller's frame comes back

@@ -2,7 +2,7 @@
 
 Reads the ``kernels`` list of every kernel.jsonl row that has one (one eager call under torch.profiler:
 each kernel's device microseconds and launches per call; rows measured without the profile have
-none). One row per (cell, backend, kernel) for the ``TOP`` longest kernels, the rest summed into
+none; a graph_step row names its forced path as the backend). One row per (cell, backend, kernel) for the ``TOP`` longest kernels, the rest summed into
 ``(other kernels)``, plus a ``(busy)`` row: every kernel's time, next to the row's timed call
 (``timed_us``: CUDA-graph replay where the bench captured one, else eager) so that what the timed
 call adds over the kernels (launch gaps) shows. Repetitions of a configuration are not pooled: each
@@ -11,6 +11,7 @@ No figure.
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -37,6 +38,16 @@ def short_name(name: str, width: int = 70) -> str:
     return s if len(s) <= width else s[:width - 3] + "..."
 
 
+def _lp(r: pd.Series):
+    """The row's prefix length: the cell's Lp, else its classes' lengths joined (a graph_step case)."""
+    lp = r.get("cell.prefix_len")
+    if lp is not None and not (isinstance(lp, float) and lp != lp):     # NaN: the cell has no single Lp
+        return lp
+    lens = r.get("cell.prefix_lens")
+    lens = json.loads(lens) if isinstance(lens, str) else lens
+    return "/".join(str(x) for x in lens) if isinstance(lens, (list, tuple)) else lp
+
+
 def frame(res: Results) -> pd.DataFrame:
     """The breakdown rows of every profiled kernel row (empty when none was profiled)."""
     k = res.kernels
@@ -48,8 +59,9 @@ def frame(res: Results) -> pd.DataFrame:
         ks = sorted(ks, key=lambda x: -float(x["us_per_call"]))
         busy = sum(float(x["us_per_call"]) for x in ks)
         base = {"gpu": r.get("provenance.gpu_name") or "no GPU (CPU)", "kind": r.get("cell.kind"),
-                "shape": r.get("cell.shape.name"), "Lp": r.get("cell.prefix_len"), "B": r.get("cell.batch"),
-                "backend": r.get("k.backend"), "sweep": r.get("sweep"),
+                "shape": r.get("cell.shape.name"), "Lp": _lp(r), "B": r.get("cell.batch"),
+                "backend": r.get("k.backend") if isinstance(r.get("k.backend"), str) else r.get("k.path"),
+                "sweep": r.get("sweep"),
                 "code": str(r.get("provenance.git_commit") or "unknown")[:7], "status": "measured"}
         timed = float(r["k.time_ms"]) * 1e3 if pd.notna(r.get("k.time_ms")) else None
         for x in ks[:TOP]:

@@ -37,7 +37,7 @@ from analysis.common import (NOT_MEASURED, THROUGHPUT, aggregate, placeholder_fi
 from analysis.gpu import GPU, gpu_names, one_gpu, ordered, with_gpu
 from analysis.load import Results
 from analysis.measures.sglang import (BASE, PATHS, STAGES, SYSTEMS, VARIANTS, plugin_counters, variant_keys,
-                                     with_graph_form)
+                                     with_graph_form, without_ablations)
 from analysis.paper import paper_claims
 from analysis.plots import legend_below, lp_axis, mark_paper, suptitle, system_colors, title_of
 from analysis.registry import register_exhibit
@@ -64,7 +64,7 @@ def _mean(df: pd.DataFrame, system: str, metric: str) -> tuple[float, int]:
 def in_sglang_table(res: Results) -> pd.DataFrame:
     """One row per (cell set, GPU model, Lp, paper system); ``not measured`` rows for planned points without a
     cell (per GPU model with cells in the set; without a GPU model where the set has none)."""
-    cells = with_graph_form(with_gpu(with_derived(res.cells))) if not res.cells.empty else res.cells
+    cells = with_graph_form(with_gpu(with_derived(without_ablations(res.cells)))) if not res.cells.empty else res.cells
     if "system.dispatch" in cells.columns:   # a forced path (dispatch=*_only, engine or plugin) is an ablation
         cells = cells[cells["system.dispatch"].fillna("table") == "table"]
     rows = []
