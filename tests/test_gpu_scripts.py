@@ -140,6 +140,24 @@ def _sgl(root: Path, script: str, **env) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+def test_sglang_jit_cache_without_carried_parts_comes_from_the_committed_seed(tmp_path):
+    """No SGLang JIT part staged: sglang_jit_restore restores the seed committed in runners/gpu/sgl_jit_seed, a
+    whole archive of SGLang's FlashInfer module cache (compiled modules for sm90a)."""
+    seed = sorted((ROOT / "runners" / "gpu" / "sgl_jit_seed").glob("sgl_fi_cache.tar.xz.part-*"))
+    assert seed, "runners/gpu/sgl_jit_seed holds no sgl_fi_cache.tar.xz.part-*"
+    whole = tmp_path / "seed.tar.xz"
+    whole.write_bytes(b"".join(p.read_bytes() for p in seed))
+    with tarfile.open(whole, "r:xz") as tf:
+        names = tf.getnames()
+    assert any(n.startswith(".cache/flashinfer/") and n.endswith(".so") for n in names), names[:5]
+    new, site = tmp_path / "new", tmp_path / "site"
+    new.mkdir()
+    (site / "flashinfer").mkdir(parents=True)
+    r = _sgl(new, "sglang_jit_restore", GRANIKV_SGLANG_SITE=site, GRANIKV_SGLANG_PARTS=tmp_path / "staged")
+    assert "restored the FlashInfer JIT cache" in r.stdout, r.stdout + r.stderr
+    assert any(p.suffix == ".so" for p in (new / ".sgl_fi_cache" / ".cache" / "flashinfer").rglob("*"))
+
+
 def test_sglang_jit_cache_travels_in_parts_and_is_restored_whole(tmp_path):
     """SGLang's FlashInfer JIT cache: packed from one machine's workspace into $OUT parts, carried one
     per staging call, restored whole on the next machine, with the installed sources' mtimes set back

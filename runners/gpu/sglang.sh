@@ -62,9 +62,16 @@ sglang_stage() {   # copy the parts this call carried out of the checkout (the n
   _slog "staged $n part(s); $SGL_PARTS holds: $(ls "$SGL_PARTS" "$SGL_JIT_PARTS" | grep part- | tr '\n' ' ')"
 }
 
-sglang_jit_restore() {   # the carried JIT cache -> $FLASHINFER_WORKSPACE_BASE/.cache (once; a missing part = a cold build)
+# The carried JIT cache -> $FLASHINFER_WORKSPACE_BASE/.cache (once; a missing part = a cold build). With no part
+# carried: the seed committed with the code (runners/gpu/sgl_jit_seed/: SGLang's FlashInfer 0.6.15.post1 modules
+# for sm90a that a flashinfer-backend server and the plugin's servers build), so that a fresh checkout's first
+# server does not spend minutes of device time building them. Refresh it from a later call's parts with
+# `cp .sgl_fi_cache/parts/sgl_fi_cache.tar.xz.part-* runners/gpu/sgl_jit_seed/` (remove the old parts first).
+sglang_jit_restore() {
   fix_site_mtimes "$SGL_SITE"
-  jit_cache_restore "$FLASHINFER_WORKSPACE_BASE" "$SGL_JIT_PARTS" sgl_fi_cache
+  local P=$SGL_JIT_PARTS
+  ls "$P"/sgl_fi_cache.tar.xz.part-* >/dev/null 2>&1 || P=$(dirname "${BASH_SOURCE[0]}")/sgl_jit_seed
+  jit_cache_restore "$FLASHINFER_WORKSPACE_BASE" "$P" sgl_fi_cache
 }
 
 sglang_pack_jit() { jit_cache_pack "$FLASHINFER_WORKSPACE_BASE" sgl_fi_cache "${1:-3}"; }   # -> $OUT
