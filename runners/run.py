@@ -440,6 +440,12 @@ def run_cell(cfg: DictConfig | RunConfig, overrides: list[str], multirun: bool =
     return run_cell_outcome(cfg, overrides, multirun, engine_factory)[0]
 
 
+def _sweep_temp_files(cell: Path) -> None:
+    """Remove a killed write's leftover temp files from ``cell`` (no writer of this cell is running)."""
+    for tmp in rawio.remove_temp_files(cell):
+        print(f"[runners.run] removed a killed write's temp file: {tmp}")
+
+
 def run_cell_outcome(cfg: DictConfig | RunConfig, overrides: list[str], multirun: bool = False,
                      engine_factory: Callable[[RunConfig], object] = default_engine) -> tuple[Path, str]:
     """``run_cell``, and what it did with the cell: MEASURED, SKIPPED or FAILED."""
@@ -453,9 +459,8 @@ def run_cell_outcome(cfg: DictConfig | RunConfig, overrides: list[str], multirun
         _fail(cell, e, {"cell_kind": "serving", "cell": {"cell_id": cell.name, "overrides": list(overrides)}},
               kind="config_error")
         return cell, FAILED
-    for tmp in rawio.remove_temp_files(cell):   # a killed write's leftovers; no writer is running now
-        print(f"[runners.run] removed a killed write's temp file: {tmp}")
     if rawio.cell_state(cell) == "done" and not rc.force:
+        _sweep_temp_files(cell)          # a finished cell no rank writes again
         print(f"[runners.run] skip (metrics.json exists; force=true reruns): {cell}")
         return cell, SKIPPED
     config = {**dataclasses.asdict(rc), "cell_kind": "serving",
@@ -472,6 +477,9 @@ def run_cell_outcome(cfg: DictConfig | RunConfig, overrides: list[str], multirun
             raise
         _fail(cell, e, config, kind="config_error")
         return cell, FAILED
+    if rank == 0:   # only the writer, before it writes: under torchrun another rank sweeping the cell could
+        _sweep_temp_files(cell)      # take the temp file rank 0 is writing right now
+
     from granikv.telemetry import ENV_GUARD, nsys_command, nsys_path
 
     if rc.nsys and rc.tp == 1 and nsys_path() and not os.environ.get(ENV_GUARD):
