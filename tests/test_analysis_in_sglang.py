@@ -217,3 +217,22 @@ def test_a_forced_path_is_an_ablation_left_out_of_the_table():
     g = t.loc[("headline", 512, "granikv")]
     assert (g["n_sglang"], g["sglang_x"]) == (1, pytest.approx(0.9))
     assert (g["n_engine"], g["engine_x"]) == (1, pytest.approx(1.1))
+
+
+def test_a_plugin_row_holds_one_code_version_the_last_measured():
+    """Repetitions of a plugin system at two code versions are never pooled: the row (and the claims) keep the
+    version its point was measured at last, and the table counts the cells left out; real SGLang's cells pool."""
+    def at(row, commit, started):
+        return {**row, "provenance.git_commit": commit, "provenance.started_at": started}
+    rows = [at(cell(HEAD, "sglang_server", 16384, 2000), "a" * 40, "2026-12-01T10:00:00+00:00"),
+            at(cell(HEAD, "sglang_server", 16384, 3000, rep=1), "b" * 40, "2026-12-02T10:00:00+00:00"),
+            at(cell(HEAD, "sglang_server_granikv", 16384, 4000), "a" * 40, "2026-12-01T10:05:00+00:00"),
+            at(cell(HEAD, "sglang_server_granikv", 16384, 5000, rep=1), "b" * 40, "2026-12-02T10:05:00+00:00"),
+            at(cell(HEAD, "sglang_server_granikv", 16384, 5500, rep=2), "b" * 40, "2026-12-02T11:05:00+00:00")]
+    t = in_sglang.in_sglang_table(results(rows)).set_index(["set", "workload.prefix_len", "system"])
+    g = t.loc[("headline", 16384, "granikv")]
+    assert g["n_sglang"] == 2 and g["sglang_tok_s"] == pytest.approx(5250) and g["older_versions"] == 1
+    assert g["sglang_x"] == pytest.approx(5250 / 2500)                   # SGLang's own two repetitions pool
+    kept = sglang_measures.prefer_current(pd.DataFrame(rows), GRAPH_COLS)
+    ours = kept[kept["system.name"] == "sglang_server_granikv"]
+    assert sorted(ours["output_throughput_tok_s"]) == [5000, 5500] and len(kept) == 4

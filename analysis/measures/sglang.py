@@ -83,13 +83,30 @@ def without_ablations(cells: pd.DataFrame) -> pd.DataFrame:
     return cells[~cells["sweep"].astype(str).str.startswith(ABLATION_SWEEPS)]
 
 
+COMMIT, STARTED = "provenance.git_commit", "provenance.started_at"
+
+
+def latest_version(cells: pd.DataFrame, group: pd.Series) -> pd.Series:
+    """Per cell, whether it was measured at the code version its ``group`` (a label per cell) measured last:
+    the commit of the group's most recently started cell (``provenance.started_at``). Repetitions of a plugin
+    system at two code versions are never pooled; the older version's cells are left out."""
+    if cells.empty or COMMIT not in cells.columns:
+        return pd.Series(True, index=cells.index)
+    commit = cells[COMMIT].astype(str)
+    started = cells[STARTED].astype(str) if STARTED in cells.columns else pd.Series("", index=cells.index)
+    order = pd.DataFrame({"group": group, "started": started, "commit": commit}).sort_values(["group", "started"])
+    last = order.groupby("group")["commit"].last()
+    return commit == group.map(last)
+
+
 def prefer_current(cells: pd.DataFrame, config_cols) -> pd.DataFrame:
     """``cells`` with, per configuration of an in-SGLang plugin system (every identity column but its settings),
     only the cells of ONE combination of plugin settings (VARIANTS; the graph form by :func:`with_graph_form`):
     the closest to today's, a setting earlier in PRIORITY deciding first. The claims measure today's plugin
     where a configuration has it and never pool across settings; a configuration measured only with older
-    settings keeps the most recent of them (the table names every combination). Ablation cells
-    (ABLATION_SWEEPS) are left out."""
+    settings keeps the most recent of them (the table names every combination). Of that combination, only the
+    cells of the code version measured last (:func:`latest_version`). Ablation cells (ABLATION_SWEEPS) are
+    left out."""
     cells = without_ablations(cells)
     if cells.empty or "system.name" not in cells.columns:
         return cells
@@ -112,7 +129,9 @@ def prefer_current(cells: pd.DataFrame, config_cols) -> pd.DataFrame:
     group = cells[keys].astype(object).where(cells[keys].notna(), NULL).astype(str).agg("|".join, axis=1)
     p = pd.DataFrame({"group": group[plug], "score": score[plug], "combo": combo[plug]})
     best = p.sort_values(["score", "combo"], ascending=[False, True]).groupby("group")["combo"].first()
-    keep = ~plug | (combo == group.map(best))
+    chosen = plug & (combo == group.map(best))
+    latest = latest_version(cells[chosen], group[chosen]).reindex(cells.index, fill_value=False)
+    keep = ~plug | (chosen & latest)
     return given[keep]
 
 

@@ -21,7 +21,9 @@ SGLang default (``sglang_x``: over real SGLang; ``engine_x``: over the engine's 
 and TTFT p50 in SGLang, and the plugin's own counters over the measured window: the share of decode
 rows by path, and the host time per planned decode step, whole (``plan_us``: prefix read + KV index
 list + step plan + FlashInfer's plan calls) and by stage. A counter the cell did not record (an
-older cell without the stage split, or a run whose counter file was never rewritten) is NaN.
+older cell without the stage split, or a run whose counter file was never rewritten) is NaN. A plugin row
+holds the cells of ONE code version, the one its point measured last (``older_versions``: the cells of
+earlier versions left out, never pooled with them).
 
 Writes tables/in_sglang.{csv,md} and figures/in_sglang.{png,pdf,csv} (one GPU model, the others named).
 """
@@ -36,8 +38,8 @@ from analysis.common import (NOT_MEASURED, THROUGHPUT, aggregate, placeholder_fi
                              sort_rows, with_derived, write_table)
 from analysis.gpu import GPU, gpu_names, one_gpu, ordered, with_gpu
 from analysis.load import Results
-from analysis.measures.sglang import (BASE, PATHS, STAGES, SYSTEMS, VARIANTS, plugin_counters, variant_keys,
-                                     with_graph_form, without_ablations)
+from analysis.measures.sglang import (BASE, PATHS, STAGES, SYSTEMS, VARIANTS, latest_version, plugin_counters,
+                                     variant_keys, with_graph_form, without_ablations)
 from analysis.paper import paper_claims
 from analysis.plots import legend_below, lp_axis, mark_paper, suptitle, system_colors, title_of
 from analysis.registry import register_exhibit
@@ -53,7 +55,7 @@ SETS = {"headline": {"workload.kind": "=sharegpt", "workload.num_prefixes": "=1"
 HEADLINE_LPS = (512, 2048, 8192, 16384)      # the Lp every in-SGLang system is planned at
 COLS = ["set", GPU, "workload.prefix_len", "system", "cascade_impl", "decode_plan", "decode_graphs", "n_sglang", "sglang_tok_s", "sglang_x", "n_engine", "engine_tok_s",
         "engine_x", "sglang_itl_p50_ms", "sglang_ttft_p50_ms", *[f"rows_{p}" for p in PATHS], "plan_us",
-        *[f"{s}_us" for s in STAGES], "status"]
+        *[f"{s}_us" for s in STAGES], "older_versions", "status"]
 
 
 def _mean(df: pd.DataFrame, system: str, metric: str) -> tuple[float, int]:
@@ -93,14 +95,16 @@ def set_rows(name: str, df: pd.DataFrame, gpu: str | None) -> list[dict]:
         for paper, (in_sgl, eng) in SYSTEMS.items():
             e_tok, n_e = _mean(at, eng, THROUGHPUT) if not at.empty else (np.nan, 0)
             ours = at[at["system"] == in_sgl] if not at.empty else at
-            for var, mine in variants(ours, paper):
+            for var, every in variants(ours, paper):
+                mine = every[latest_version(every, pd.Series("", index=every.index))] if paper != BASE else every
                 s_tok, n_s = _mean(mine, in_sgl, THROUGHPUT) if not mine.empty else (np.nan, 0)
                 rows.append({"set": name, GPU: gpu, "workload.prefix_len": lp, "system": paper, **var,
                              "n_sglang": n_s, "sglang_tok_s": s_tok, "sglang_x": s_tok / real, "n_engine": n_e,
                              "engine_tok_s": e_tok, "engine_x": e_tok / eng_base,
                              "sglang_itl_p50_ms": _mean(mine, in_sgl, "itl_p50_ms")[0] if n_s else np.nan,
                              "sglang_ttft_p50_ms": _mean(mine, in_sgl, "ttft_p50_ms")[0] if n_s else np.nan,
-                             **plugin_counters(mine), "status": "measured" if n_s else NOT_MEASURED})
+                             **plugin_counters(mine), "older_versions": len(every) - len(mine),
+                             "status": "measured" if n_s else NOT_MEASURED})
     return rows
 
 
@@ -255,6 +259,8 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
                      "slower in kernel and plan time); decode_plan: how the plugin re-planned FlashInfer's decode "
                      "wrappers each step (fast: FlashInfer's fast_decode_plan, as SGLang's own backend; flashinfer: "
                      "the wrapper's plan(), a Python max() over the batch included); one row per setting, never pooled; "
+                     "a plugin row's cells are of one code version, the last its point was measured at "
+                     "(older_versions: cells of earlier versions left out); "
                      "NaN: not recorded. headline: ShareGPT, one shared prefix, the GPU model's own KV budget (its preset); hetero k=4: prefixes "
                      "2K/4K/8K/16K, burst, A100-40GB KV budget (Lp column: the workload's nominal Lp).")
     if figures:
