@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from attn_util import FixedPolicy, fake_fi_module  # noqa: F401  (a fixture)
 from granikv.attention import reference as R
 from granikv.attention.graph_step import GraphLimits, GraphStep, capture_plan, plan_graph_step, shared_buffers
-from granikv.attention.row_kernels import gather_rows, merge_rows
+from granikv.attention.row_kernels import gather_q, gather_rows, merge_rows
 
 HQ, HKV, D = 4, 2, 8
 
@@ -173,6 +173,39 @@ def test_merge_rows_reads_only_the_named_source_row():
     torch.testing.assert_close(lse, want_l)
     with pytest.raises(ValueError, match="1..4 sources"):
         merge_rows(o, lse, [], [], kind, src)
+
+
+def test_a_folded_source_merges_its_sub_states_first():
+    """A source of F sub-states per head (head f*H + j) is, for a row, the merge of its F states: the same as
+    merging them one by one with the row's state."""
+    torch.manual_seed(2)
+    b, h, d = 4, 3, 5
+    o, lse = torch.randn(b, h, d), torch.randn(b, h)
+    so, sl = torch.randn(b, 2 * h, d), torch.randn(b, 2 * h)
+    kind = torch.tensor([1, 0, 1, 1], dtype=torch.int32)
+    src = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
+    got_o, got_l = o.clone(), lse.clone()
+    merge_rows(got_o, got_l, [so], [sl], kind, src, folds=[2])
+    want_o, want_l = o.clone(), lse.clone()
+    for f in range(2):                                   # merging is associative: one sub-state at a time
+        merge_rows(want_o, want_l, [so[:, f * h:(f + 1) * h].contiguous()], [sl[:, f * h:(f + 1) * h].contiguous()],
+                   kind, src)
+    torch.testing.assert_close(got_o, want_o)
+    torch.testing.assert_close(got_l, want_l)
+    assert torch.equal(got_o[1], o[1])                   # kind 0: untouched
+    with pytest.raises(ValueError, match="folds"):
+        merge_rows(got_o, got_l, [so], [sl], kind, src, folds=[2, 1])
+
+
+def test_gather_q_permutes_and_repeats_the_heads():
+    q = torch.randn(5, 3, 4)
+    perm = torch.tensor([4, 0, 3, 1, 2], dtype=torch.int32)
+    qp, qn = gather_q(q, perm, 4)
+    assert torch.equal(qp, q[perm.long()]) and torch.equal(qn, q[perm.long()].repeat(1, 4, 1))
+    qp1, qn1 = gather_q(q, perm, 1)
+    assert qn1 is qp1 and torch.equal(qp1, qp)
+    with pytest.raises(ValueError, match="fold"):
+        gather_q(q, perm, 0)
 
 
 def test_gather_rows_copies_only_the_counted_pairs():

@@ -16,7 +16,7 @@ from granikv.attention import flashinfer_ops as fo
 from granikv.attention import reference as R
 from granikv.attention.bench import capture_graph
 from granikv.attention.graph_step import GraphLimits, GraphStep, capture_plan, plan_graph_step
-from granikv.attention.row_kernels import gather_rows, merge_rows, merge_rows_ref
+from granikv.attention.row_kernels import gather_q, gather_rows, merge_rows, merge_rows_ref
 from granikv.attention.staging import PinnedStaging
 
 pytestmark = pytest.mark.gpu
@@ -159,6 +159,24 @@ def test_triton_row_kernels_match_their_torch_math():
     merge_rows_ref(o2, l2, srcs, lses, kind, src)
     torch.testing.assert_close(o.float(), o2.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse, l2, rtol=1e-4, atol=1e-4)
+    # sources of KV-folded launches: F sub-states per head, merged in the same launch; a head count off a power
+    # of two (masked lanes)
+    for hh, folds in ((h, [1, 2, 1]), (5, [4, 1, 2])):
+        o = torch.randn(b, hh, d, device=dev, dtype=torch.bfloat16)
+        lse = torch.randn(b, hh, device=dev)
+        fs = [torch.randn(b, f * hh, d, device=dev, dtype=torch.bfloat16) for f in folds]
+        fl = [torch.randn(b, f * hh, device=dev) for f in folds]
+        kind = torch.randint(0, len(folds) + 1, (b,), device=dev, dtype=torch.int32)
+        o2, l2 = o.clone(), lse.clone()
+        merge_rows(o, lse, fs, fl, kind, src, folds=folds)
+        merge_rows_ref(o2, l2, fs, fl, kind, src, folds=folds)
+        torch.testing.assert_close(o.float(), o2.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(lse, l2, rtol=1e-4, atol=1e-4)
+    q = torch.randn(b, h, d, device=dev, dtype=torch.bfloat16)
+    perm = torch.randperm(b, device=dev).int()
+    qp, qn = gather_q(q, perm, 2)
+    want = q.index_select(0, perm.long())
+    assert torch.equal(qp, want) and torch.equal(qn, want.repeat(1, 2, 1))
     kv = torch.randn(500, 8, 128, device=dev, dtype=torch.bfloat16)
     dst = torch.zeros(64, 8, 128, device=dev, dtype=torch.bfloat16)
     di = torch.randperm(64, device=dev).int()

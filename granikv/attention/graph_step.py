@@ -3,10 +3,11 @@
 Per layer the captured step runs, every tensor of the captured batch size B:
 
     rest decode over every row, the split rows' prefixes left out     (the caller's decode wrapper)
-    qp = q[perm]                          rows grouped: dense launch 0 | dense launch 1 | ... | cascade | rest
-    per dense launch (KV fold f):  ONE ragged prefill over the dense source (granikv.attention.hot_batch)
+    qp = q[perm], qn = qp per head x F   ONE gather: rows grouped dense launch 0 | 1 | ... | cascade | rest
+    per dense launch (KV fold f):  ONE ragged prefill over the dense source (granikv.attention.hot_batch),
+                                   f sub-states per head left unmerged
     cascade:                       ONE paged batch prefill, a segment per class, over its prefix slots
-    merge_rows(o, lse, [dense states..., cascade state], kind, src)       one launch
+    merge_rows(o, lse, [dense states..., cascade state], kind, src, folds)   one launch, the folds merged too
 
 Each launch reads one run of ``qp``: rows before its run form a lead segment over a dummy key (the dense
 source's first ``dummy`` keys, which no slab holds) or a dummy slot (cascade); rows after it are not
@@ -31,7 +32,7 @@ from granikv.attention.batch import arange
 from granikv.attention.hot_batch import HotBatch, HotGroup, plan_hot_batch
 from granikv.attention.plan import ClassPlan, group_prefix_classes
 from granikv.attention.policy import PrefixPolicy
-from granikv.attention.row_kernels import gather_rows, merge_rows
+from granikv.attention.row_kernels import gather_q, gather_rows, merge_rows
 from granikv.attention.staging import PinnedStaging
 
 DENSE = ("dense", "hydragen")
@@ -341,18 +342,20 @@ class GraphStep:
             lse: torch.Tensor) -> None:
         """One layer, in place: q [B, Hq, D]; k_cache / v_cache [C, Hkv, D]; o [B, Hq, D] / lse [B, Hq] (fp32,
         base 2) the rest decode's state, merged with each split row's prefix state."""
-        qp = q.index_select(0, self.perm)                                       # [B, Hq, D]
+        folded = max(self.lim.folds)
+        qp, qn = gather_q(q, self.perm, folded)                   # [B, Hq, D], [B, folded*Hq, D] (one launch)
         kd, vd = k_cache, v_cache
         if self.lim.scratch:
             gather_rows(self.scratch_k, k_cache, self.g_dst, self.g_src, self.count)
             gather_rows(self.scratch_v, v_cache, self.g_dst, self.g_src, self.count)
             kd, vd = self.scratch_k, self.scratch_v
         outs_o, outs_l = [], []
-        for hb in self.launches:
-            od, ld = hb.run(qp, kd, vd)                                          # [B, Hq, D], [B, Hq]
+        for f, hb in zip(self.lim.folds, self.launches):
+            qf = qp if f == 1 else qn if f == folded else qp.repeat(1, f, 1)
+            od, ld = hb.run_folded(qf, kd, vd)                    # [B, f*Hq, D], [B, f*Hq]: f sub-states per head
             outs_o.append(od)
             outs_l.append(ld)
         oc, lc = self.cascade.run(qp, fo.paged(k_cache, v_cache), return_lse=True)
         outs_o.append(oc)
         outs_l.append(lc)
-        merge_rows(o, lse, outs_o, outs_l, self.kind, self.src)
+        merge_rows(o, lse, outs_o, outs_l, self.kind, self.src, folds=[*self.lim.folds, 1])   # the folds merged too

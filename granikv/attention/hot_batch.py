@@ -162,9 +162,20 @@ class HotBatch:
         n = p.fold
         qs = q if self.max_segments is not None else q[p.row_start:p.row_start + p.rows]
         rows = qs.shape[0]
-        kr = k_cache[p.region_start:p.region_start + p.region_len].view(p.region_len // n, n * self.hkv, self.d)
-        vr = v_cache[p.region_start:p.region_start + p.region_len].view(p.region_len // n, n * self.hkv, self.d)
-        o, s = self.wrapper.run(qs.repeat(1, n, 1) if n > 1 else qs, kr, vr, return_lse=True)
+        o, s = self.run_folded(qs.repeat(1, n, 1) if n > 1 else qs, k_cache, v_cache)
         if n == 1:
             return o, s
         return fo.fi().merge_states(o.view(rows, n, self.hq, self.d), s.view(rows, n, self.hq))
+
+    def run_folded(self, qn: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
+        """The launch on queries already repeated for the plan's fold n: qn [rows, n*Hq, D] (head f*Hq + j =
+        query head j) -> (o [rows, n*Hq, D], lse [rows, n*Hq]) holding n sub-states per head, unmerged (head
+        f*Hq + j: the keys at positions = f mod n of each slab); :meth:`run` merges them."""
+        p = self.plan_
+        n = p.fold
+        if qn.shape[1] != n * self.hq:
+            raise ValueError(f"hot_batch.run_folded: queries of {qn.shape[1]} heads for fold {n} x {self.hq} heads")
+        kr = k_cache[p.region_start:p.region_start + p.region_len].view(p.region_len // n, n * self.hkv, self.d)
+        vr = v_cache[p.region_start:p.region_start + p.region_len].view(p.region_len // n, n * self.hkv, self.d)
+        return self.wrapper.run(qn, kr, vr, return_lse=True)

@@ -1,5 +1,6 @@
-"""Two row kernels of a captured decode step: merge prefix states found at permuted rows, and copy
-KV rows to a scratch up to a count held on the device. Each is one launch on CUDA.
+"""Three row kernels of a captured decode step: merge prefix states found at permuted rows, gather the
+step's queries in that row order (and repeated for a KV-folded launch), and copy KV rows to a scratch up to
+a count held on the device. Each is one launch on CUDA.
 
 merge_rows.
 
@@ -10,7 +11,13 @@ state found at row ``src[r]`` of source ``kind[r] - 1`` (``kind[r] == 0``: no pr
     o[r], lse[r] = merge((o[r], lse[r]), (sources_o[k][src[r]], sources_lse[k][src[r]]))     k = kind[r] - 1
 
 with FlashInfer's convention: lse in base 2. Rows of a source that no row names may hold anything
-(NaN included): they are never read into the result.
+(NaN included): they are never read into the result. A source of a KV-folded launch (fold F) holds F
+sub-states per head (head ``f * H + j`` is sub-state f of head j); they are merged first, in the same launch.
+One program per row: a row without a prefix state costs one load, so a step in which nothing splits pays
+little for the launch.
+
+gather_q. ``qp[p] = q[perm[p]]`` and ``qn[p, f*H + j] = q[perm[p], j]``: the queries every prefix launch
+of the step reads, in one pass (a folded launch's queries are the heads repeated F times).
 
 ``merge_rows`` runs one Triton kernel on CUDA (at most :data:`MAX_SOURCES` sources) and the same math
 in torch elsewhere; ``merge_rows_ref`` is that torch math, the reference of the GPU test.
@@ -22,7 +29,7 @@ return at once, so the copy costs what the live rows cost.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -35,75 +42,149 @@ except ImportError:  # pragma: no cover - depends on the machine
     triton = None
 
 
+def _fold_state(so: torch.Tensor, sl: torch.Tensor, fold: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A source of ``fold`` sub-states per row (head ``f * h + j`` holds sub-state f of head j) merged into one:
+    so [n, fold*h, D], sl [n, fold*h] -> [n, h, D] fp32, [n, h]."""
+    po, pl = so[:, :h].float(), sl[:, :h].float()
+    for f in range(1, fold):
+        qo, ql = so[:, f * h:(f + 1) * h].float(), sl[:, f * h:(f + 1) * h].float()
+        po, pl = _merge2(po, pl, qo, ql)
+    return po, pl
+
+
+def _merge2(oo, ol, po, pl):
+    """Two attention states merged (lse base 2): oo / po [n, H, D] fp32, ol / pl [n, H]."""
+    m = torch.maximum(ol, pl)
+    m = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
+    w1, w2 = torch.exp2(ol - m), torch.exp2(pl - m)                         # [n, H]
+    tot = w1 + w2
+    return (oo * w1[..., None] + po * w2[..., None]) / tot[..., None], m + torch.log2(tot)
+
+
 def merge_rows_ref(o: torch.Tensor, lse: torch.Tensor, sources_o: Sequence[torch.Tensor],
-                   sources_lse: Sequence[torch.Tensor], kind: torch.Tensor, src: torch.Tensor) -> None:
-    """Torch math of :func:`merge_rows`, in place: o [B, H, D], lse [B, H] fp32; sources_o[k] [B', H, D],
-    sources_lse[k] [B', H]; kind, src int [B]."""
+                   sources_lse: Sequence[torch.Tensor], kind: torch.Tensor, src: torch.Tensor,
+                   folds: Optional[Sequence[int]] = None) -> None:
+    """Torch math of :func:`merge_rows`, in place: o [B, H, D], lse [B, H] fp32; sources_o[k] [B', F_k*H, D],
+    sources_lse[k] [B', F_k*H] (``folds[k]`` = F_k sub-states per row, default 1); kind, src int [B]."""
     kind = kind.long()
     src = src.long()
+    h = o.shape[1]
     for k, (so, sl) in enumerate(zip(sources_o, sources_lse)):
         rows = (kind == k + 1).nonzero().flatten()                       # [n] rows merging source k
         if rows.numel() == 0:
             continue
-        po = so.index_select(0, src[rows]).float()                        # [n, H, D]
-        pl = sl.index_select(0, src[rows]).float()                        # [n, H]
-        ol, oo = lse[rows].float(), o[rows].float()
-        m = torch.maximum(ol, pl)
-        m = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
-        w1, w2 = torch.exp2(ol - m), torch.exp2(pl - m)                     # [n, H]
-        tot = w1 + w2
-        o[rows] = ((oo * w1[..., None] + po * w2[..., None]) / tot[..., None]).to(o.dtype)
-        lse[rows] = (m + torch.log2(tot)).to(lse.dtype)
+        po, pl = _fold_state(so.index_select(0, src[rows]), sl.index_select(0, src[rows]),
+                             folds[k] if folds else 1, h)                 # [n, H, D], [n, H]
+        oo, ol = _merge2(o[rows].float(), lse[rows].float(), po, pl)
+        o[rows] = oo.to(o.dtype)
+        lse[rows] = ol.to(lse.dtype)
 
 
 if triton is not None:
     @triton.jit
+    def _source_state(so, sl, p, H, h, d, hm, m2, D: tl.constexpr, F: tl.constexpr):
+        """Row ``p`` of a source of F sub-states per head (head f*H + j: sub-state f of head j), merged:
+        ([BLOCK_H, BLOCK_D] fp32, [BLOCK_H])."""
+        base = p * (F * H)
+        pl = tl.load(sl + base + h, mask=hm, other=float("-inf"))
+        po = tl.load(so + (base + h)[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        for f in tl.static_range(1, F):
+            ql = tl.load(sl + base + f * H + h, mask=hm, other=float("-inf"))
+            qo = tl.load(so + (base + f * H + h)[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            m = tl.maximum(pl, ql)
+            m = tl.where(m == float("-inf"), 0.0, m)
+            w1 = tl.exp2(pl - m)
+            w2 = tl.exp2(ql - m)
+            tot = w1 + w2
+            po = (po * w1[:, None] + qo * w2[:, None]) / tot[:, None]
+            pl = m + tl.log2(tot)
+        return po, pl
+
+    @triton.jit
     def _merge_rows_kernel(o_ptr, lse_ptr, s0_o, s0_l, s1_o, s1_l, s2_o, s2_l, s3_o, s3_l, kind_ptr, src_ptr,
-                           H, D: tl.constexpr, BLOCK_D: tl.constexpr):
-        r = tl.program_id(0)
-        h = tl.program_id(1)
-        k = tl.load(kind_ptr + r)
+                           H, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                           F0: tl.constexpr, F1: tl.constexpr, F2: tl.constexpr, F3: tl.constexpr):
+        r = tl.program_id(0)                       # one program per row, every head: a row without a prefix
+        k = tl.load(kind_ptr + r)                  # state (kind 0) costs one load
         if k > 0:
             p = tl.load(src_ptr + r).to(tl.int64)
+            h = tl.arange(0, BLOCK_H)
             d = tl.arange(0, BLOCK_D)
-            dm = d < D
+            hm = h < H
+            m2 = hm[:, None] & (d < D)[None, :]
+            if k == 1:
+                po, pl = _source_state(s0_o, s0_l, p, H, h, d, hm, m2, D, F0)
+            elif k == 2:
+                po, pl = _source_state(s1_o, s1_l, p, H, h, d, hm, m2, D, F1)
+            elif k == 3:
+                po, pl = _source_state(s2_o, s2_l, p, H, h, d, hm, m2, D, F2)
+            else:
+                po, pl = _source_state(s3_o, s3_l, p, H, h, d, hm, m2, D, F3)
             row = r.to(tl.int64) * H + h
-            prow = p * H + h
-            po = tl.load(s0_o + prow * D + d, mask=dm & (k == 1), other=0.0).to(tl.float32)
-            po += tl.load(s1_o + prow * D + d, mask=dm & (k == 2), other=0.0).to(tl.float32)
-            po += tl.load(s2_o + prow * D + d, mask=dm & (k == 3), other=0.0).to(tl.float32)
-            po += tl.load(s3_o + prow * D + d, mask=dm & (k == 4), other=0.0).to(tl.float32)
-            pl = tl.load(s0_l + prow, mask=k == 1, other=0.0)
-            pl += tl.load(s1_l + prow, mask=k == 2, other=0.0)
-            pl += tl.load(s2_l + prow, mask=k == 3, other=0.0)
-            pl += tl.load(s3_l + prow, mask=k == 4, other=0.0)
-            ol = tl.load(lse_ptr + row)
-            oo = tl.load(o_ptr + row * D + d, mask=dm, other=0.0).to(tl.float32)
+            ol = tl.load(lse_ptr + row, mask=hm, other=0.0)
+            oo = tl.load(o_ptr + row[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
             m = tl.maximum(ol, pl)
             m = tl.where(m == float("-inf"), 0.0, m)
             w1 = tl.exp2(ol - m)
             w2 = tl.exp2(pl - m)
             tot = w1 + w2
-            tl.store(o_ptr + row * D + d, ((oo * w1 + po * w2) / tot).to(o_ptr.dtype.element_ty), mask=dm)
-            tl.store(lse_ptr + row, m + tl.log2(tot))
+            out = (oo * w1[:, None] + po * w2[:, None]) / tot[:, None]
+            tl.store(o_ptr + row[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=m2)
+            tl.store(lse_ptr + row, m + tl.log2(tot), mask=hm)
+
+    @triton.jit
+    def _gather_q_kernel(q, perm, out1, outn, ROW: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr):
+        p = tl.program_id(0).to(tl.int64)
+        r = tl.load(perm + p).to(tl.int64)
+        for off in tl.static_range(0, ROW, BLOCK):          # a query row: H*D elements
+            e = off + tl.arange(0, BLOCK)
+            m = e < ROW
+            x = tl.load(q + r * ROW + e, mask=m)
+            tl.store(out1 + p * ROW + e, x, mask=m)
+            for f in tl.static_range(N):
+                tl.store(outn + (p * N + f) * ROW + e, x, mask=m)
 
 
 def merge_rows(o: torch.Tensor, lse: torch.Tensor, sources_o: Sequence[torch.Tensor],
-               sources_lse: Sequence[torch.Tensor], kind: torch.Tensor, src: torch.Tensor) -> None:
+               sources_lse: Sequence[torch.Tensor], kind: torch.Tensor, src: torch.Tensor,
+               folds: Optional[Sequence[int]] = None) -> None:
     """In place (module doc): o [B, H, D] contiguous, lse [B, H] fp32; up to MAX_SOURCES sources of
-    [B', H, D] / [B', H] (contiguous, o's dtype / fp32); kind, src int32 [B] on o's device. One launch on
-    CUDA, capturable in a CUDA graph (reads only device tensors)."""
+    [B', F*H, D] / [B', F*H] (contiguous, o's dtype / fp32; ``folds`` F per source, default 1: a source of a
+    KV-folded launch holds F sub-states per head, merged here); kind, src int32 [B] on o's device. One launch
+    on CUDA (one program per row), capturable in a CUDA graph (reads only device tensors)."""
     if not 1 <= len(sources_o) == len(sources_lse) <= MAX_SOURCES:
         raise ValueError(f"merge_rows: 1..{MAX_SOURCES} sources with an lse each, got {len(sources_o)} / "
                          f"{len(sources_lse)}")
+    folds = list(folds) if folds else [1] * len(sources_o)
+    if len(folds) != len(sources_o) or any(f < 1 for f in folds):
+        raise ValueError(f"merge_rows: folds needs one count >= 1 per source, got {folds}")
     if not o.is_cuda or triton is None:
-        merge_rows_ref(o, lse, sources_o, sources_lse, kind, src)
+        merge_rows_ref(o, lse, sources_o, sources_lse, kind, src, folds)
         return
     b, h, d = o.shape
     so = list(sources_o) + [sources_o[0]] * (MAX_SOURCES - len(sources_o))     # unused slots: never read
     sl = list(sources_lse) + [sources_lse[0]] * (MAX_SOURCES - len(sources_lse))
-    _merge_rows_kernel[(b, h)](o, lse, so[0], sl[0], so[1], sl[1], so[2], sl[2], so[3], sl[3], kind, src, h, d,
-                               triton.next_power_of_2(d))
+    fs = folds + [1] * (MAX_SOURCES - len(folds))
+    _merge_rows_kernel[(b,)](o, lse, so[0], sl[0], so[1], sl[1], so[2], sl[2], so[3], sl[3], kind, src, h, d,
+                             triton.next_power_of_2(h), triton.next_power_of_2(d), *fs,
+                             num_warps=8 if h * d >= 2048 else 4)
+
+
+def gather_q(q: torch.Tensor, perm: torch.Tensor, fold: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The permuted queries, and the same repeated ``fold`` times along the heads (a KV-folded launch's
+    queries): q [B, H, D] contiguous, perm int [B] -> qp [B, H, D], qn [B, fold*H, D] with qn[p, f*H + j] =
+    q[perm[p], j]. One launch on CUDA (read once, both written); qn is qp itself when fold is 1."""
+    if fold < 1:
+        raise ValueError(f"gather_q: fold must be >= 1, got {fold}")
+    if not q.is_cuda or triton is None or fold == 1:
+        qp = q.index_select(0, perm)
+        return qp, (qp.repeat(1, fold, 1) if fold > 1 else qp)
+    b, h, d = q.shape
+    qp = torch.empty_like(q)
+    qn = torch.empty(b, fold * h, d, dtype=q.dtype, device=q.device)
+    row = h * d
+    _gather_q_kernel[(b,)](q, perm, qp, qn, row, fold, min(4096, triton.next_power_of_2(row)))
+    return qp, qn
 
 
 if triton is not None:
