@@ -197,6 +197,30 @@ def test_a_folded_source_merges_its_sub_states_first():
         merge_rows(got_o, got_l, [so], [sl], kind, src, folds=[2, 1])
 
 
+def test_a_step_without_a_cascade_class_keeps_the_cascade_plan(fake_fi_module, monkeypatch):
+    """Dense-only steps whose row counts change from step to step: the cascade launch's segments stay the
+    captured ones, so its FlashInfer plan is made once (at capture) and never again; a cascade class re-plans."""
+    from granikv.attention import graph_step as gsm
+
+    calls = []
+    real = gsm.fo.plan_prefill_paged
+    monkeypatch.setattr(gsm.fo, "plan_prefill_paged", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    lim = GraphLimits(batch=8, folds=(1,), groups=2, cascades=2, region_len=64, cascade_slots=24)
+    gs = GraphStep(lim, HQ, HKV, D, torch.float32, "cpu", 0.3, workspace=torch.empty(1))
+    table = torch.zeros(9, 40, dtype=torch.int32)
+    gs.load(capture_plan(lim), table, torch.arange(1, 9))
+    assert len(calls) == 1
+    for n in (3, 5, 8, 2):                                # a dense class of n rows, the rest without a prefix
+        p = plan_graph_step([7] * n + [-1] * (8 - n), [8] * n + [0] * (8 - n), [8] * n + [-1] * (8 - n), lim,
+                            FixedPolicy({7: "dense"}), HQ // HKV)
+        assert p.cas_qo == capture_plan(lim).cas_qo and p.split
+        gs.load(p, table, torch.arange(1, 9))
+    assert len(calls) == 1
+    p = plan_graph_step([7] * 4 + [-1] * 4, [8] * 4 + [0] * 4, [-1] * 8, lim, FixedPolicy({7: "cascade"}), HQ // HKV)
+    gs.load(p, table, torch.arange(1, 9))
+    assert len(calls) == 2
+
+
 def test_gather_q_permutes_and_repeats_the_heads():
     q = torch.randn(5, 3, 4)
     perm = torch.tensor([4, 0, 3, 1, 2], dtype=torch.int32)

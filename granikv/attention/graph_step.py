@@ -188,7 +188,9 @@ def plan_graph_step(ids: list[int], lens: list[int], hots: list[int], lim: Graph
         dense.append(plan_hot_batch(groups, fold=f, max_segments=lim.dense_segments,
                                     region=(0, lim.region_len // f * f), lead_rows=lead if groups else 0))
     nd = len(perm)
-    cas_qo, cas_kv, cas_rows = [0, nd], [0, 1], [0]                  # the lead: rows [0, nd), one dummy slot
+    # the lead: rows [0, nd), one dummy slot; with no cascade class, every row, as captured: the cascade's
+    # segments then never change from step to step, and its FlashInfer plan is kept (no host re-plan)
+    cas_qo, cas_kv, cas_rows = [0, nd if cas else b], [0, 1], [0]
     for c in cas:
         perm.extend(c.rows)
         for r in c.rows:
