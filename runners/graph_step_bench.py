@@ -45,8 +45,8 @@ from granikv.attention.bench import Shape, capture_graph, kernel_profile, plan_h
 from granikv.attention.dispatch import Dispatcher
 from granikv.attention.graph_step import GraphLimits, GraphStep, capture_plan, plan_graph_step
 from granikv.attention.policy import make_policy
-from granikv.config import HardwareConfig
 from runners.calibrate import fit
+from runners.kernel_bench import check_preset_gpu, device_preset
 
 TOOL = "graph_step_bench"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -136,12 +136,7 @@ def resolve(cfg: Any) -> GraphStepSpec:
     grid (``grid_prefix_lens`` x ``grid_batches``, one class each) before the listed ``cases``."""
     from omegaconf import OmegaConf
 
-    c = OmegaConf.to_container(cfg, resolve=True)
-    hw = c.pop("hardware")
-    presets = c.pop("presets")
-    if hw["device"] not in presets:
-        raise ValueError(f"config error at `hardware`: no {TOOL} preset for device '{hw['device']}' ({sorted(presets)})")
-    merged = {**presets[hw["device"]], **{k: v for k, v in c.items() if v is not None}}
+    hw, merged = device_preset(OmegaConf.to_container(cfg, resolve=True), TOOL)
     lps, bs = merged.pop("grid_prefix_lens", None) or [], merged.pop("grid_batches", None) or []
     merged["shape"] = Shape(**merged["shape"])
     merged["limits"] = Limits(**(merged.get("limits") or {}))
@@ -152,8 +147,7 @@ def resolve(cfg: Any) -> GraphStepSpec:
     spec = GraphStepSpec(hardware=hw["name"], gpu_name=hw.get("gpu_name") or "",
                          decision_table=hw.get("decision_table"), **merged)
     if spec.device == "cuda" and not spec.fit_only:
-        HardwareConfig(**{k: v for k, v in hw.items() if k in HardwareConfig.__dataclass_fields__}).check_gpu(
-            torch.cuda.get_device_name(0))
+        check_preset_gpu(hw)
     return spec
 
 

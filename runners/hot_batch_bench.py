@@ -35,7 +35,7 @@ from granikv.attention import flashinfer_ops as fo
 from granikv.attention import reference as R
 from granikv.attention.bench import Shape, capture_graph, plan_host_time, time_fn
 from granikv.attention.hot_batch import HotBatch, HotGroup, plan_hot_batch
-from granikv.config import HardwareConfig
+from runners.kernel_bench import check_preset_gpu, device_preset
 
 TOOL = "hot_batch_bench"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -94,18 +94,12 @@ def resolve(cfg: Any) -> HotBatchSpec:
     """Hydra config -> spec: the ``presets[<hardware device>]`` entry overlaid with the non-null keys."""
     from omegaconf import OmegaConf
 
-    c = OmegaConf.to_container(cfg, resolve=True)
-    hw = c.pop("hardware")
-    presets = c.pop("presets")
-    if hw["device"] not in presets:
-        raise ValueError(f"config error at `hardware`: no {TOOL} preset for device '{hw['device']}' ({sorted(presets)})")
-    merged = {**presets[hw["device"]], **{k: v for k, v in c.items() if v is not None}}
+    hw, merged = device_preset(OmegaConf.to_container(cfg, resolve=True), TOOL)
     merged["shape"] = Shape(**merged["shape"])
     merged["cases"] = [Case(**x) for x in merged["cases"]]
     spec = HotBatchSpec(hardware=hw["name"], **merged)
     if spec.device == "cuda":
-        HardwareConfig(**{k: v for k, v in hw.items() if k in HardwareConfig.__dataclass_fields__}).check_gpu(
-            torch.cuda.get_device_name(0))
+        check_preset_gpu(hw)
     return spec
 
 

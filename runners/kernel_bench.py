@@ -59,7 +59,7 @@ from granikv.attention.bench import (Shape, attention_flops, build_cell, capture
                                     measure_peaks, plan_host_time, sync, time_fn)
 from granikv.attention.decode import make_backend
 from granikv.attention.dispatch import Dispatcher, check_table
-from granikv.config import DENSE_KERNELS
+from granikv.config import DENSE_KERNELS, HardwareConfig
 
 VARIANTS = ("paged", "cascade", "cascade_composed", "hydragen", "dense", "dense_unsplit", "granikv_cascade", "granikv")
 CLASS_ROWS = ("round_robin", "blocked")   # how a decode cell's B requests are spread over its k classes
@@ -137,6 +137,22 @@ class BenchSpec:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+
+
+def device_preset(c: dict, tool: str) -> tuple[dict, dict]:
+    """(the hardware option, ``presets[<its device>]`` overlaid with every non-null top-level key) of a resolved
+    config ``c`` whose presets are keyed by device (cpu / cuda): hot_batch_bench and graph_step_bench."""
+    c = dict(c)
+    hw, presets = c.pop("hardware"), c.pop("presets")
+    if hw["device"] not in presets:
+        raise ValueError(f"config error at `hardware`: no {tool} preset for device '{hw['device']}' ({sorted(presets)})")
+    return hw, {**presets[hw["device"]], **{k: v for k, v in c.items() if v is not None}}
+
+
+def check_preset_gpu(hw: dict) -> None:
+    """Refuse a GPU hardware option on another GPU model (HardwareConfig.check_gpu)."""
+    HardwareConfig(**{k: v for k, v in hw.items() if k in HardwareConfig.__dataclass_fields__}).check_gpu(
+        torch.cuda.get_device_name(0))
 
 
 def merge_preset(c: dict, tool: str) -> dict:

@@ -82,6 +82,16 @@ def merge_rows_ref(o: torch.Tensor, lse: torch.Tensor, sources_o: Sequence[torch
 
 if triton is not None:
     @triton.jit
+    def _merge_states(ao, al, bo, bl):
+        """Two attention states (lse base 2) merged: ao / bo [BLOCK_H, BLOCK_D] fp32, al / bl [BLOCK_H]."""
+        m = tl.maximum(al, bl)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w1 = tl.exp2(al - m)
+        w2 = tl.exp2(bl - m)
+        tot = w1 + w2
+        return (ao * w1[:, None] + bo * w2[:, None]) / tot[:, None], m + tl.log2(tot)
+
+    @triton.jit
     def _source_state(so, sl, p, H, h, d, hm, m2, D: tl.constexpr, F: tl.constexpr):
         """Row ``p`` of a source of F sub-states per head (head f*H + j: sub-state f of head j), merged:
         ([BLOCK_H, BLOCK_D] fp32, [BLOCK_H])."""
@@ -91,13 +101,7 @@ if triton is not None:
         for f in tl.static_range(1, F):
             ql = tl.load(sl + base + f * H + h, mask=hm, other=float("-inf"))
             qo = tl.load(so + (base + f * H + h)[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-            m = tl.maximum(pl, ql)
-            m = tl.where(m == float("-inf"), 0.0, m)
-            w1 = tl.exp2(pl - m)
-            w2 = tl.exp2(ql - m)
-            tot = w1 + w2
-            po = (po * w1[:, None] + qo * w2[:, None]) / tot[:, None]
-            pl = m + tl.log2(tot)
+            po, pl = _merge_states(po, pl, qo, ql)
         return po, pl
 
     @triton.jit
@@ -123,14 +127,9 @@ if triton is not None:
             row = r.to(tl.int64) * H + h
             ol = tl.load(lse_ptr + row, mask=hm, other=0.0)
             oo = tl.load(o_ptr + row[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-            m = tl.maximum(ol, pl)
-            m = tl.where(m == float("-inf"), 0.0, m)
-            w1 = tl.exp2(ol - m)
-            w2 = tl.exp2(pl - m)
-            tot = w1 + w2
-            out = (oo * w1[:, None] + po * w2[:, None]) / tot[:, None]
+            out, lo = _merge_states(oo, ol, po, pl)
             tl.store(o_ptr + row[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=m2)
-            tl.store(lse_ptr + row, m + tl.log2(tot), mask=hm)
+            tl.store(lse_ptr + row, lo, mask=hm)
 
     @triton.jit
     def _gather_q_kernel(q, perm, out1, outn, ROW: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr):
