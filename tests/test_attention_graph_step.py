@@ -198,8 +198,9 @@ def test_a_folded_source_merges_its_sub_states_first():
 
 
 def test_a_step_without_a_cascade_class_keeps_the_cascade_plan(fake_fi_module, monkeypatch):
-    """Dense-only steps whose row counts change from step to step: the cascade launch's segments stay the
-    captured ones, so its FlashInfer plan is made once (at capture) and never again; a cascade class re-plans."""
+    """Dense-only steps whose row counts change from step to step: the cascade launch covers no row, the same
+    segments every such step, so its FlashInfer plan is made once (at the first such step) and kept; a cascade
+    class re-plans."""
     from granikv.attention import graph_step as gsm
 
     calls = []
@@ -213,12 +214,17 @@ def test_a_step_without_a_cascade_class_keeps_the_cascade_plan(fake_fi_module, m
     for n in (3, 5, 8, 2):                                # a dense class of n rows, the rest without a prefix
         p = plan_graph_step([7] * n + [-1] * (8 - n), [8] * n + [0] * (8 - n), [8] * n + [-1] * (8 - n), lim,
                             FixedPolicy({7: "dense"}), HQ // HKV)
-        assert p.cas_qo == capture_plan(lim).cas_qo and p.split
+        assert p.cas_qo == [0] * (lim.cascades + 2) and p.split
         gs.load(p, table, torch.arange(1, 9))
-    assert len(calls) == 1
-    p = plan_graph_step([7] * 4 + [-1] * 4, [8] * 4 + [0] * 4, [-1] * 8, lim, FixedPolicy({7: "cascade"}), HQ // HKV)
+    assert len(calls) == 2
+    p = plan_graph_step([-1] * 8, [0] * 8, [-1] * 8, lim, FixedPolicy({}), HQ // HKV)   # nothing splits
+    assert p.cas_qo == [0] * (lim.cascades + 2) and not p.split
     gs.load(p, table, torch.arange(1, 9))
     assert len(calls) == 2
+    p = plan_graph_step([7] * 4 + [-1] * 4, [8] * 4 + [0] * 4, [-1] * 8, lim, FixedPolicy({7: "cascade"}), HQ // HKV)
+    gs.load(p, table, torch.arange(1, 9))
+    assert len(calls) == 3
+    assert gs.live.tolist() == [1] and gs.meta.numel() == 4 * 8 + 2
 
 
 def test_gather_q_permutes_and_repeats_the_heads():

@@ -4,6 +4,7 @@ Per layer the captured step runs, every tensor of the captured batch size B:
 
     rest decode over every row, the split rows' prefixes left out     (the caller's decode wrapper)
     qp = q[perm], qn = qp per head x F   ONE gather: rows grouped dense launch 0 | 1 | ... | cascade | rest
+                                         (a step in which no row splits skips it: nothing reads the launches)
     per dense launch (KV fold f):  ONE ragged prefill over the dense source (granikv.attention.hot_batch),
                                    f sub-states per head left unmerged
     cascade:                       ONE paged batch prefill, a segment per class, over its prefix slots
@@ -188,9 +189,9 @@ def plan_graph_step(ids: list[int], lens: list[int], hots: list[int], lim: Graph
         dense.append(plan_hot_batch(groups, fold=f, max_segments=lim.dense_segments,
                                     region=(0, lim.region_len // f * f), lead_rows=lead if groups else 0))
     nd = len(perm)
-    # the lead: rows [0, nd), one dummy slot; with no cascade class, every row, as captured: the cascade's
-    # segments then never change from step to step, and its FlashInfer plan is kept (no host re-plan)
-    cas_qo, cas_kv, cas_rows = [0, nd if cas else b], [0, 1], [0]
+    # the lead: rows [0, nd), one dummy slot; with no cascade class, no row (the launch has no work): every
+    # such step has the same segments, so its FlashInfer plan is made once and kept (no host re-plan)
+    cas_qo, cas_kv, cas_rows = [0, nd if cas else 0], [0, 1], [0]
     for c in cas:
         perm.extend(c.rows)
         for r in c.rows:
@@ -263,9 +264,9 @@ class GraphStep:
         b, c = lim.batch, lim.cascades
         ws = workspace if workspace is not None else fo.workspace(dev)
         i32 = dict(dtype=torch.int32, device=dev)
-        # every per-step array in ONE device buffer (one copy per step): perm | src | kind | skip | count
-        self.meta = torch.zeros(4 * b + 1, **i32)
-        self.perm, self.src, self.kind, self.skip, self.count = self.meta.split([b, b, b, b, 1])
+        # every per-step array in ONE device buffer (one copy per step): perm | src | kind | skip | count | live
+        self.meta = torch.zeros(4 * b + 2, **i32)
+        self.perm, self.src, self.kind, self.skip, self.count, self.live = self.meta.split([b, b, b, b, 1, 1])
         self.staging = PinnedStaging(self.meta.numel(), dev)
         self.launches = [HotBatch(ws, num_q_heads, num_kv_heads, head_dim, dtype, sm_scale, backend,
                                   max_segments=lim.dense_segments) for _ in lim.folds]
@@ -289,7 +290,8 @@ class GraphStep:
         lim = self.lim
         again = p is self.plan_                 # the last step's plan (a batch whose classes did not change)
         if not again:
-            self.staging.write(p.perm + p.src + p.kind + p.skip + [sum(g[1] for g in p.gather)], self.meta)
+            self.staging.write(p.perm + p.src + p.kind + p.skip + [sum(g[1] for g in p.gather), int(p.split)],
+                               self.meta)
         rows = req_pool_indices[:lim.batch]
         n = p.cas_kv[-1]
         key = (id(self), tuple(p.cas_kv), p.cas_ids, tuple(g[1:] for g in p.gather), p.gather_ids)
@@ -345,7 +347,7 @@ class GraphStep:
         """One layer, in place: q [B, Hq, D]; k_cache / v_cache [C, Hkv, D]; o [B, Hq, D] / lse [B, Hq] (fp32,
         base 2) the rest decode's state, merged with each split row's prefix state."""
         folded = max(self.lim.folds)
-        qp, qn = gather_q(q, self.perm, folded)                   # [B, Hq, D], [B, folded*Hq, D] (one launch)
+        qp, qn = gather_q(q, self.perm, folded, self.live)        # [B, Hq, D], [B, folded*Hq, D] (one launch)
         kd, vd = k_cache, v_cache
         if self.lim.scratch:
             gather_rows(self.scratch_k, k_cache, self.g_dst, self.g_src, self.count)

@@ -17,7 +17,8 @@ One program per row: a row without a prefix state costs one load, so a step in w
 little for the launch.
 
 gather_q. ``qp[p] = q[perm[p]]`` and ``qn[p, f*H + j] = q[perm[p], j]``: the queries every prefix launch
-of the step reads, in one pass (a folded launch's queries are the heads repeated F times).
+of the step reads, in one pass (a folded launch's queries are the heads repeated F times). Gated by a device
+flag: a step in which nothing splits skips the copy.
 
 ``merge_rows`` runs one Triton kernel on CUDA (at most :data:`MAX_SOURCES` sources) and the same math
 in torch elsewhere; ``merge_rows_ref`` is that torch math, the reference of the GPU test.
@@ -132,16 +133,21 @@ if triton is not None:
             tl.store(lse_ptr + row, lo, mask=hm)
 
     @triton.jit
-    def _gather_q_kernel(q, perm, out1, outn, ROW: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr):
+    def _gather_q_kernel(q, perm, out1, outn, live, ROW: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr,
+                         GATED: tl.constexpr):
         p = tl.program_id(0).to(tl.int64)
-        r = tl.load(perm + p).to(tl.int64)
-        for off in tl.static_range(0, ROW, BLOCK):          # a query row: H*D elements
-            e = off + tl.arange(0, BLOCK)
-            m = e < ROW
-            x = tl.load(q + r * ROW + e, mask=m)
-            tl.store(out1 + p * ROW + e, x, mask=m)
-            for f in tl.static_range(N):
-                tl.store(outn + (p * N + f) * ROW + e, x, mask=m)
+        go = True
+        if GATED:
+            go = tl.load(live) != 0
+        if go:
+            r = tl.load(perm + p).to(tl.int64)
+            for off in tl.static_range(0, ROW, BLOCK):          # a query row: H*D elements
+                e = off + tl.arange(0, BLOCK)
+                m = e < ROW
+                x = tl.load(q + r * ROW + e, mask=m)
+                tl.store(out1 + p * ROW + e, x, mask=m)
+                for f in tl.static_range(N):
+                    tl.store(outn + (p * N + f) * ROW + e, x, mask=m)
 
 
 def merge_rows(o: torch.Tensor, lse: torch.Tensor, sources_o: Sequence[torch.Tensor],
@@ -169,20 +175,24 @@ def merge_rows(o: torch.Tensor, lse: torch.Tensor, sources_o: Sequence[torch.Ten
                              num_warps=8 if h * d >= 2048 else 4)
 
 
-def gather_q(q: torch.Tensor, perm: torch.Tensor, fold: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_q(q: torch.Tensor, perm: torch.Tensor, fold: int,
+             live: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The permuted queries, and the same repeated ``fold`` times along the heads (a KV-folded launch's
     queries): q [B, H, D] contiguous, perm int [B] -> qp [B, H, D], qn [B, fold*H, D] with qn[p, f*H + j] =
-    q[perm[p], j]. One launch on CUDA (read once, both written); qn is qp itself when fold is 1."""
+    q[perm[p], j]. One launch on CUDA (read once, both written); qn is qp itself when fold is 1.
+    ``live`` int32 [1] on q's device: on CUDA, when ``live[0] == 0`` the launch returns at once and qp / qn
+    are left unset (a captured step in which no row merges a prefix state reads neither)."""
     if fold < 1:
         raise ValueError(f"gather_q: fold must be >= 1, got {fold}")
-    if not q.is_cuda or triton is None or fold == 1:
+    if not q.is_cuda or triton is None:
         qp = q.index_select(0, perm)
         return qp, (qp.repeat(1, fold, 1) if fold > 1 else qp)
     b, h, d = q.shape
     qp = torch.empty_like(q)
-    qn = torch.empty(b, fold * h, d, dtype=q.dtype, device=q.device)
+    qn = torch.empty(b, fold * h, d, dtype=q.dtype, device=q.device) if fold > 1 else qp
     row = h * d
-    _gather_q_kernel[(b,)](q, perm, qp, qn, row, fold, min(4096, triton.next_power_of_2(row)))
+    _gather_q_kernel[(b,)](q, perm, qp, qn, perm if live is None else live, row, fold if fold > 1 else 0,
+                           min(4096, triton.next_power_of_2(row)), live is not None)
     return qp, qn
 
 
