@@ -331,11 +331,14 @@ def test_the_memo_reads_a_request_once_and_again_when_its_path_changes():
     r1, r2 = req(Node(shared, 4), 516, 512), req(Node(shared, 6), 518, 512)
     memo = PrefixMemo()
     first = step_prefixes([r1, r2], PluginSettings(), memo=memo)
-    again = step_prefixes([r1, r2], PluginSettings(), memo=memo)
-    assert (memo.misses, memo.hits) == (2, 2) and again.prefix_ids == first.prefix_ids
-    r1.last_node = Node(shared, 9)                       # r1's path changed: read again
+    again = step_prefixes([r1, r2], PluginSettings(), memo=memo)     # the same step: taken whole
+    assert (memo.misses, memo.hits, memo.whole) == (2, 2, 1) and again.prefix_ids == first.prefix_ids
+    assert again.prefix_ids is first.prefix_ids and again.hot_starts == first.hot_starts == [1, 1]
+    swapped = step_prefixes([r2, r1], PluginSettings(), memo=memo)   # another order: read per request
+    assert (memo.misses, memo.hits, memo.whole) == (2, 4, 1) and swapped.prefix_ids == first.prefix_ids[::-1]
+    r1.last_node = Node(shared, 9)                       # r1's path changed: read again, not taken whole
     step_prefixes([r1, r2], PluginSettings(), memo=memo)
-    assert (memo.misses, memo.hits) == (3, 3)
+    assert (memo.misses, memo.hits, memo.whole) == (3, 5, 1)
     assert list(memo.entries) == [id(r1), id(r2)]
     # the radix tree splits the slab's node (upper part keeps the slab): a new request still joins the class
     upper = Node(shared.parent, 200, slab)
@@ -343,6 +346,8 @@ def test_the_memo_reads_a_request_once_and_again_when_its_path_changes():
     r3 = req(Node(shared, 3), 515, 512)
     third = step_prefixes([r1, r2, r3], PluginSettings(), memo=memo)
     assert len(set(third.prefix_ids)) == 1 and third.hot_starts == [1, 1, 1]
+    fewer = step_prefixes([r1, r2], PluginSettings(), memo=memo)    # a request left: not taken whole
+    assert memo.whole == 1 and fewer.prefix_ids == third.prefix_ids[:2]
     # a COLD (paged) class is named by its node: without a memo every request is read every step
     cold = chain(256)
     plain = step_prefixes([req(Node(cold, 2), 258, 256)] * 2, PluginSettings())

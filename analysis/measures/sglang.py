@@ -99,14 +99,36 @@ def latest_version(cells: pd.DataFrame, group: pd.Series) -> pd.Series:
     return commit == group.map(last)
 
 
-def prefer_current(cells: pd.DataFrame, config_cols) -> pd.DataFrame:
+def same_run_base(cells: pd.DataFrame, keep: pd.Series, keys: list[str]) -> pd.Series:
+    """Per cell, whether to keep it: a plugin cell as ``keep`` says; an SGLang-default cell of a point (``keys``
+    without the system's own columns) only if it was measured at a code version (``provenance.git_commit``)
+    that one of the point's kept plugin cells was measured at, i.e. in the same run, on the same machine,
+    where the point has such a cell; else every SGLang-default cell of the point (a run that measured SGLang
+    alone). A ratio then never divides by SGLang cells of another machine session."""
+    systems = cells["system.name"].astype(str)
+    base = systems == SYSTEMS[BASE][0]
+    plug = systems.isin(PLUGIN_SYSTEMS)
+    if COMMIT not in cells.columns or not base.any():
+        return keep | base
+    pkeys = [c for c in keys if not c.startswith("system.") and c != ARGS]
+    point = (cells[pkeys].astype(object).where(cells[pkeys].notna(), NULL).astype(str).agg("|".join, axis=1)
+             if pkeys else pd.Series("", index=cells.index))
+    commit = cells[COMMIT].astype(str)
+    runs = (point + "#" + commit)[keep & plug]
+    paired = base & (point + "#" + commit).isin(set(runs))
+    has_pair = point.isin(set(point[paired]))
+    return keep | (base & (paired | ~has_pair))
+
+
+def prefer_current(cells: pd.DataFrame, config_cols, same_run: bool = True) -> pd.DataFrame:
     """``cells`` with, per configuration of an in-SGLang plugin system (every identity column but its settings),
     only the cells of ONE combination of plugin settings (VARIANTS; the graph form by :func:`with_graph_form`):
     the closest to today's, a setting earlier in PRIORITY deciding first. The claims measure today's plugin
     where a configuration has it and never pool across settings; a configuration measured only with older
     settings keeps the most recent of them (the table names every combination). Of that combination, only the
-    cells of the code version measured last (:func:`latest_version`). Ablation cells (ABLATION_SWEEPS) are
-    left out."""
+    cells of the code version measured last (:func:`latest_version`). ``same_run``: SGLang default's cells
+    only from the runs of the kept plugin cells where a point has them (:func:`same_run_base`). Ablation cells
+    (ABLATION_SWEEPS) are left out."""
     cells = without_ablations(cells)
     if cells.empty or "system.name" not in cells.columns:
         return cells
@@ -132,6 +154,8 @@ def prefer_current(cells: pd.DataFrame, config_cols) -> pd.DataFrame:
     chosen = plug & (combo == group.map(best))
     latest = latest_version(cells[chosen], group[chosen]).reindex(cells.index, fill_value=False)
     keep = ~plug | (chosen & latest)
+    if same_run:
+        keep = same_run_base(cells, keep & (plug | ~(systems == SYSTEMS[BASE][0])), keys)
     return given[keep]
 
 

@@ -280,6 +280,8 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
         t3 = time.perf_counter()
         host = (t3 - t0) * 1e6 + (staged.host_us if staged is not None else 0.0)
         self.stats.replay(host)
+        m = self.prefix_memo
+        self.stats.memo(m.hits, m.misses, m.whole)
         if reason is not None or not p.split:
             self._paged(reason or "no_split")
             return

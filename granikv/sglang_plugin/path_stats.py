@@ -38,7 +38,9 @@ class PathStats:
     list and its copy to the device), ``make_us`` (the step plan: classes, policy, rest-of-request
     slots) and ``load_us`` (FlashInfer's plan calls on the plan). Full decode graphs: ``replay_steps``
     every replayed decode step (split or not) and ``replay_host_us`` their whole host time (reading the
-    prefixes, the plan, the buffer load, the rest decode's index list and re-plan).
+    prefixes, the plan, the buffer load, the rest decode's index list and re-plan). ``prefix_memo``: the
+    prefix read's memo (``granikv.sglang_plugin.step_prefixes.PrefixMemo``): requests taken from it
+    (``hits``), read off the tree (``misses``), and steps taken whole (``whole``).
     """
 
     backend: str
@@ -58,6 +60,7 @@ class PathStats:
     max_batch: int = 0
     replay_steps: int = 0
     replay_host_us: float = 0.0
+    prefix_memo: dict = field(default_factory=lambda: {"hits": 0, "misses": 0, "whole": 0})
 
     def paged(self, reason: str) -> None:
         if reason not in self.paged_steps:
@@ -84,6 +87,10 @@ class PathStats:
         self.index_us += index_us
         self.make_us += make_us
         self.load_us += load_us
+
+    def memo(self, hits: int, misses: int, whole: int) -> None:
+        """The prefix memo's counts so far (they are the memo's own running totals)."""
+        self.prefix_memo = {"hits": int(hits), "misses": int(misses), "whole": int(whole)}
 
     def replay(self, host_us: float) -> None:
         """One replayed decode step of a full decode graph (split or not): its host time."""

@@ -14,10 +14,14 @@ in one slab (the slab then starts at position 0: its slots are ``slab.start + po
 class is named by its slab's start and ``n`` instead, which no later split of the radix tree changes.
 
 Per step, a request already seen with the same ``last_node`` is not read again (:class:`PrefixMemo`):
-while it runs its path is locked, so its slab can be neither evicted nor moved.
+while it runs its path is locked, so its slab can be neither evicted nor moved. A step whose requests and
+their ``last_node`` are last step's, in the same order (no request joined or left), takes last step's lists
+whole: two identity checks at C speed instead of a Python pass over the batch.
 """
 from __future__ import annotations
 
+import operator
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
@@ -82,45 +86,66 @@ class StepPrefixes:
 
 
 class PrefixMemo:
-    """What :func:`step_prefixes` read last step, per request: ``id(req) -> (req, last_node, pid, n, hs)``.
-    Holds only the last step's requests (each step replaces it), so an id is never reused stale."""
+    """What :func:`step_prefixes` read last step, per request: ``id(req) -> (req, last_node, pid, n, hs)``;
+    and the whole step (``last``: its requests, their nodes, its :class:`StepPrefixes`). Holds only the last
+    step's requests (each step replaces it), so an id is never reused stale. ``whole``: steps taken whole."""
 
     def __init__(self):
         self.entries: dict[int, tuple] = {}
+        self.last: Optional[tuple[list, list, StepPrefixes]] = None
         self.hits = 0
         self.misses = 0
+        self.whole = 0
+
+
+_LAST_NODE = operator.attrgetter("last_node")
+# a memo entry (req, last_node, prefix_id, prefix_len, hot_start), its fields, and the entry of a request not seen
+_REQ, _NODE, _PID, _LEN, _HOT = (operator.itemgetter(i) for i in range(5))
+_MISS = (None, None, -1, 0, -1)
+
+
+def _nodes(reqs: list) -> list:
+    """Each request's ``last_node`` (None where a request has none)."""
+    try:
+        return list(map(_LAST_NODE, reqs))
+    except AttributeError:
+        return [getattr(r, "last_node", None) for r in reqs]
 
 
 def step_prefixes(reqs: Iterable[Any], settings: PluginSettings,
                   slab_of: Callable[[Any], Any] = _slab_of, memo: Optional[PrefixMemo] = None) -> StepPrefixes:
     """The :class:`StepPrefixes` of a decode batch's requests (SGLang ``Req`` objects: their
     ``sampling_params.custom_params``, ``origin_input_ids`` and ``last_node``), in batch order.
-    ``memo``: requests seen last step with the same ``last_node`` are taken from it."""
-    import time
-
+    ``memo``: requests seen last step with the same ``last_node`` are taken from it, and a step of last step's
+    requests and nodes takes last step's lists whole (shared: callers never change them)."""
     t0 = time.perf_counter()
-    out = StepPrefixes()
+    reqs = reqs if isinstance(reqs, list) else list(reqs)
+    nodes = _nodes(reqs)
+    if memo is not None and memo.last is not None:
+        last_reqs, last_nodes, last = memo.last
+        if (len(last_reqs) == len(reqs) and all(map(operator.is_, last_reqs, reqs))
+                and all(map(operator.is_, last_nodes, nodes))):
+            memo.hits += len(reqs)
+            memo.whole += 1
+            return StepPrefixes(last.prefix_ids, last.prefix_lens, last.hot_starts,
+                                (time.perf_counter() - t0) * 1e6)
     old = memo.entries if memo is not None else {}
-    new: dict[int, tuple] = {}
-    ids, lens, hots = out.prefix_ids, out.prefix_lens, out.hot_starts
-    for req in reqs:
-        node = getattr(req, "last_node", None)
-        e = old.get(id(req))
-        if e is None or e[0] is not req or e[1] is not node:
-            sp = getattr(req, "sampling_params", None)
-            n = shared_prefix_len(getattr(sp, "custom_params", None), len(req.origin_input_ids), settings)
-            pid, hs = request_prefix(node, n, slab_of)
-            e = (req, node, pid, n if pid >= 0 else 0, hs)
-            if memo is not None:
-                memo.misses += 1
-        elif memo is not None:
-            memo.hits += 1
-        new[id(req)] = e
-        ids.append(e[2])
-        lens.append(e[3])
-        hots.append(e[4])
+    keys = list(map(id, reqs))
+    ents = [e if e is not None else _MISS for e in map(old.get, keys)]          # last step's entry per request
+    ok = list(map(operator.and_, map(operator.is_, map(_REQ, ents), reqs), map(operator.is_, map(_NODE, ents), nodes)))
+    for i in [i for i, good in enumerate(ok) if not good]:                       # new, or its path changed: read
+        req, node = reqs[i], nodes[i]
+        sp = getattr(req, "sampling_params", None)
+        n = shared_prefix_len(getattr(sp, "custom_params", None), len(req.origin_input_ids), settings)
+        pid, hs = request_prefix(node, n, slab_of)
+        ents[i] = (req, node, pid, n if pid >= 0 else 0, hs)
+    out = StepPrefixes(list(map(_PID, ents)), list(map(_LEN, ents)), list(map(_HOT, ents)))
     if memo is not None:
-        memo.entries = new
+        misses = ok.count(False)
+        memo.misses += misses
+        memo.hits += len(reqs) - misses
+        memo.entries = dict(zip(keys, ents))
+        memo.last = (reqs.copy(), nodes, out)
     out.host_us = (time.perf_counter() - t0) * 1e6
     return out
 

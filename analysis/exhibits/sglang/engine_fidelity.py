@@ -74,7 +74,8 @@ def fidelity_table(res: Results, model: str = MODEL) -> pd.DataFrame:
     if cells.empty:
         return pd.DataFrame(missing, columns=cols)
     # the plugin's cells with today's settings where a point has them (never pooled across settings)
-    df = select(prefer_current(with_gpu(with_derived(cells)), res.config_columns), {**SELECT, "model.name": f"={model}"})
+    df = select(prefer_current(with_gpu(with_derived(cells)), res.config_columns, same_run=False),
+                {**SELECT, "model.name": f"={model}"})
     df = df[df["system"].isin((REAL, OURS, GRANIKV, PLUGIN))]
     if df.empty or not (df["system"] == REAL).any():
         return pd.DataFrame(missing, columns=cols)

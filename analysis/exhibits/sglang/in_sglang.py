@@ -23,7 +23,10 @@ rows by path, and the host time per planned decode step, whole (``plan_us``: pre
 list + step plan + FlashInfer's plan calls) and by stage. A counter the cell did not record (an
 older cell without the stage split, or a run whose counter file was never rewritten) is NaN. A plugin row
 holds the cells of ONE code version, the one its point measured last (``older_versions``: the cells of
-earlier versions left out, never pooled with them).
+earlier versions left out, never pooled with them). Its ``sglang_x`` divides by the SGLang-default cells of the
+same run (measured at that code version, on the same machine; ``base_run`` ``same``, ``n_base`` of them) where
+the point has them, else by every SGLang-default cell of the point (``pooled``); the SGLang-default row itself
+pools every run.
 
 Writes tables/in_sglang.{csv,md} and figures/in_sglang.{png,pdf,csv} (one GPU model, the others named).
 """
@@ -38,7 +41,7 @@ from analysis.common import (NOT_MEASURED, THROUGHPUT, aggregate, placeholder_fi
                              sort_rows, with_derived, write_table)
 from analysis.gpu import GPU, gpu_names, one_gpu, ordered, with_gpu
 from analysis.load import Results
-from analysis.measures.sglang import (BASE, PATHS, STAGES, SYSTEMS, VARIANTS, latest_version, plugin_counters,
+from analysis.measures.sglang import (BASE, COMMIT, PATHS, STAGES, SYSTEMS, VARIANTS, latest_version, plugin_counters,
                                      variant_keys, with_graph_form, without_ablations)
 from analysis.paper import paper_claims
 from analysis.plots import legend_below, lp_axis, mark_paper, suptitle, system_colors, title_of
@@ -53,7 +56,7 @@ SETS = {"headline": {"workload.kind": "=sharegpt", "workload.num_prefixes": "=1"
         "hetero k=4": {"workload.kind": "=multiprefix", "workload.prefix_lens": "=notnull",
                        "workload.num_prefixes": "=4", "hardware.name": "=a100_40gb"}}
 HEADLINE_LPS = (512, 2048, 8192, 16384)      # the Lp every in-SGLang system is planned at
-COLS = ["set", GPU, "workload.prefix_len", "system", "cascade_impl", "decode_plan", "decode_graphs", "n_sglang", "sglang_tok_s", "sglang_x", "n_engine", "engine_tok_s",
+COLS = ["set", GPU, "workload.prefix_len", "system", "cascade_impl", "decode_plan", "decode_graphs", "n_sglang", "sglang_tok_s", "sglang_x", "n_base", "base_run", "n_engine", "engine_tok_s",
         "engine_x", "sglang_itl_p50_ms", "sglang_ttft_p50_ms", *[f"rows_{p}" for p in PATHS], "plan_us",
         *[f"{s}_us" for s in STAGES], "older_versions", "status"]
 
@@ -90,7 +93,7 @@ def set_rows(name: str, df: pd.DataFrame, gpu: str | None) -> list[dict]:
     rows = []
     for lp in sorted(lps):
         at = df[df["workload.prefix_len"] == lp] if not df.empty else df
-        real = _mean(at, SYSTEMS[BASE][0], THROUGHPUT)[0] if not at.empty else np.nan
+        base = at[at["system"] == SYSTEMS[BASE][0]] if not at.empty else at
         eng_base = _mean(at, SYSTEMS[BASE][1], THROUGHPUT)[0] if not at.empty else np.nan
         for paper, (in_sgl, eng) in SYSTEMS.items():
             e_tok, n_e = _mean(at, eng, THROUGHPUT) if not at.empty else (np.nan, 0)
@@ -98,14 +101,27 @@ def set_rows(name: str, df: pd.DataFrame, gpu: str | None) -> list[dict]:
             for var, every in variants(ours, paper):
                 mine = every[latest_version(every, pd.Series("", index=every.index))] if paper != BASE else every
                 s_tok, n_s = _mean(mine, in_sgl, THROUGHPUT) if not mine.empty else (np.nan, 0)
+                ref, run = same_run(base, mine) if paper != BASE else (base, "")
+                real = _mean(ref, SYSTEMS[BASE][0], THROUGHPUT)[0] if not ref.empty else np.nan
                 rows.append({"set": name, GPU: gpu, "workload.prefix_len": lp, "system": paper, **var,
-                             "n_sglang": n_s, "sglang_tok_s": s_tok, "sglang_x": s_tok / real, "n_engine": n_e,
+                             "n_sglang": n_s, "sglang_tok_s": s_tok, "sglang_x": s_tok / real, "n_base": len(ref),
+                             "base_run": run, "n_engine": n_e,
                              "engine_tok_s": e_tok, "engine_x": e_tok / eng_base,
                              "sglang_itl_p50_ms": _mean(mine, in_sgl, "itl_p50_ms")[0] if n_s else np.nan,
                              "sglang_ttft_p50_ms": _mean(mine, in_sgl, "ttft_p50_ms")[0] if n_s else np.nan,
                              **plugin_counters(mine), "older_versions": len(every) - len(mine),
                              "status": "measured" if n_s else NOT_MEASURED})
     return rows
+
+
+def same_run(base: pd.DataFrame, mine: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The SGLang-default cells a plugin row is divided by: those of ``base`` measured at a code version of the
+    row's cells ``mine`` (the same run, on the same machine: ``same``) where there are any, else all of
+    ``base`` (``pooled``: SGLang was not measured beside that version); ``""`` for a row without cells."""
+    if mine.empty or base.empty or COMMIT not in base.columns:
+        return base, "" if mine.empty else "pooled"
+    paired = base[base[COMMIT].astype(str).isin(set(mine[COMMIT].astype(str)))]
+    return (paired, "same") if len(paired) else (base, "pooled")
 
 
 def variants(ours: pd.DataFrame, paper: str) -> list[tuple[dict, pd.DataFrame]]:
@@ -250,7 +266,9 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
                                "sglang_itl_p50_ms": 1, "sglang_ttft_p50_ms": 0, **{f"rows_{p}": 2 for p in PATHS},
                                "plan_us": 0, **{f"{s}_us": 0 for s in STAGES}},
                 title="The four systems inside real SGLang (granikv plugin) and in our engine, Llama-3.1-8B TP=1, B=256",
-                note="sglang_x: output throughput over real SGLang default (sglang_server) on the same requests; "
+                note="sglang_x: output throughput over real SGLang default (sglang_server) on the same requests, "
+                     "its cells of the same run (the same code version and machine session: base_run same, n_base "
+                     "cells) where the point has them, else every run's (pooled); "
                      "engine_x: the engine's system over the engine's sglang_default. rows_*: share of the plugin's "
                      "decode rows by path; plan_us: host time per planned decode step (prefix read + KV index list + "
                      "step plan + FlashInfer's plan calls), then by stage (make includes the dispatcher, dispatch); "
