@@ -176,19 +176,24 @@ def aggregate(df: pd.DataFrame, keys: list[str], metric: str) -> pd.DataFrame:
     return out[cols]
 
 
+# hardware keys that are a system's own setting, set only in that system's cells (the SGLang plugin's graph
+# rules): a pair that frees the system frees them too
+SYSTEM_SETTINGS = ("hardware.plugin_graph_table",)
+
+
 def paired(df: pd.DataFrame, config_cols: Iterable[str], num_sel: dict[str, str],
            base_over: dict[str, str], metric: str) -> pd.DataFrame:
     """Configs matching ``num_sel`` paired with their baseline (``num_sel`` updated by ``base_over``).
 
     Pairs match on every identity column except the overridden keys (overriding a ``system.``
-    key frees all ``system.*`` columns and ``system``). Returns the identity columns of the
+    key frees all ``system.*`` columns, ``system`` and :data:`SYSTEM_SETTINGS`). Returns the identity columns of the
     numerator plus ``num``, ``base``, ``ratio`` (= num / base, of rep means), ``n_num``, ``n_base``
     and the repetitions' extremes ``num_min``, ``num_max``, ``base_min``, ``base_max``.
     """
     ids = identity(df, config_cols) + (["system"] if "system" in df.columns else [])
     free = set(base_over)
     if any(k.startswith("system") for k in free):
-        free |= {c for c in ids if c.startswith("system")}
+        free |= {c for c in ids if c.startswith("system") or c in SYSTEM_SETTINGS}
     keys = [c for c in ids if c not in free]
     cols = ids + ["num", "base", "ratio", "n_num", "n_base", "num_min", "num_max", "base_min", "base_max"]
     num = aggregate(select(df, num_sel), ids, metric)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from analysis.common import NULL, identity
+from analysis.common import NULL, SYSTEM_SETTINGS, identity
 
 
 
@@ -31,6 +31,7 @@ STAGES = ("prefix", "index", "make", "load", "dispatch")
 # decode_graphs (derived by with_graph_form): the decode CUDA graphs the plugin's server ran
 VARIANTS = {"cascade_impl": "composed", "decode_plan": "fast", "decode_graphs": "full"}
 ARGS = "system.server.extra_args"
+PLUGIN_TABLE = SYSTEM_SETTINGS[0]
 PLUGIN_SYSTEMS = tuple(s for p, (s, _) in SYSTEMS.items() if p != BASE)
 
 
@@ -147,7 +148,9 @@ def prefer_current(cells: pd.DataFrame, config_cols, same_run: bool = True) -> p
         applies = systems == SYSTEMS["sglang_cascade"][0] if k == "cascade_impl" else pd.Series(True, index=cells.index)
         score = score * 2 + (~applies | (cells[col].astype(str) == VARIANTS[k])).astype(int)
         combo = combo + "|" + cells[col].astype(str).where(applies, "")
-    keys = [c for c in identity(cells, config_cols) if c not in var_cols and c != ARGS]   # the graph flag: a variant
+    # the graph flag is a variant; the plugin's own graph rules (hardware.plugin_graph_table) are part of its
+    # version, like its code: a point measured with new rules keeps only those cells (latest_version)
+    keys = [c for c in identity(cells, config_cols) if c not in var_cols and c not in (ARGS, PLUGIN_TABLE)]
     group = cells[keys].astype(object).where(cells[keys].notna(), NULL).astype(str).agg("|".join, axis=1)
     p = pd.DataFrame({"group": group[plug], "score": score[plug], "combo": combo[plug]})
     best = p.sort_values(["score", "combo"], ascending=[False, True]).groupby("group")["combo"].first()

@@ -99,9 +99,6 @@ class PrefixMemo:
 
 
 _LAST_NODE = operator.attrgetter("last_node")
-# a memo entry (req, last_node, prefix_id, prefix_len, hot_start), its fields, and the entry of a request not seen
-_REQ, _NODE, _PID, _LEN, _HOT = (operator.itemgetter(i) for i in range(5))
-_MISS = (None, None, -1, 0, -1)
 
 
 def _nodes(reqs: list) -> list:
@@ -129,22 +126,27 @@ def step_prefixes(reqs: Iterable[Any], settings: PluginSettings,
             memo.whole += 1
             return StepPrefixes(last.prefix_ids, last.prefix_lens, last.hot_starts,
                                 (time.perf_counter() - t0) * 1e6)
+    out = StepPrefixes()
     old = memo.entries if memo is not None else {}
-    keys = list(map(id, reqs))
-    ents = [e if e is not None else _MISS for e in map(old.get, keys)]          # last step's entry per request
-    ok = list(map(operator.and_, map(operator.is_, map(_REQ, ents), reqs), map(operator.is_, map(_NODE, ents), nodes)))
-    for i in [i for i, good in enumerate(ok) if not good]:                       # new, or its path changed: read
-        req, node = reqs[i], nodes[i]
-        sp = getattr(req, "sampling_params", None)
-        n = shared_prefix_len(getattr(sp, "custom_params", None), len(req.origin_input_ids), settings)
-        pid, hs = request_prefix(node, n, slab_of)
-        ents[i] = (req, node, pid, n if pid >= 0 else 0, hs)
-    out = StepPrefixes(list(map(_PID, ents)), list(map(_LEN, ents)), list(map(_HOT, ents)))
+    new: dict[int, tuple] = {}
+    ids, lens, hots = out.prefix_ids, out.prefix_lens, out.hot_starts
+    misses = 0
+    for req, node in zip(reqs, nodes):
+        e = old.get(id(req))
+        if e is None or e[0] is not req or e[1] is not node:       # new, or its path changed: read it
+            sp = getattr(req, "sampling_params", None)
+            n = shared_prefix_len(getattr(sp, "custom_params", None), len(req.origin_input_ids), settings)
+            pid, hs = request_prefix(node, n, slab_of)
+            e = (req, node, pid, n if pid >= 0 else 0, hs)
+            misses += 1
+        new[id(req)] = e
+        ids.append(e[2])
+        lens.append(e[3])
+        hots.append(e[4])
     if memo is not None:
-        misses = ok.count(False)
         memo.misses += misses
         memo.hits += len(reqs) - misses
-        memo.entries = dict(zip(keys, ents))
+        memo.entries = new
         memo.last = (reqs.copy(), nodes, out)
     out.host_us = (time.perf_counter() - t0) * 1e6
     return out
