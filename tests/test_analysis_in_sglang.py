@@ -221,7 +221,8 @@ def test_a_forced_path_is_an_ablation_left_out_of_the_table():
 
 def test_a_plugin_row_holds_one_code_version_the_last_measured():
     """Repetitions of a plugin system at two code versions are never pooled: the row (and the claims) keep the
-    version its point was measured at last, and the table counts the cells left out; real SGLang's cells pool."""
+    version its point was measured at last, and the table counts the cells left out; the ratio is over real
+    SGLang's cells of that version's run (the same commit), the SGLang-default row itself pools every run."""
     def at(row, commit, started):
         return {**row, "provenance.git_commit": commit, "provenance.started_at": started}
     rows = [at(cell(HEAD, "sglang_server", 16384, 2000), "a" * 40, "2026-12-01T10:00:00+00:00"),
@@ -232,7 +233,9 @@ def test_a_plugin_row_holds_one_code_version_the_last_measured():
     t = in_sglang.in_sglang_table(results(rows)).set_index(["set", "workload.prefix_len", "system"])
     g = t.loc[("headline", 16384, "granikv")]
     assert g["n_sglang"] == 2 and g["sglang_tok_s"] == pytest.approx(5250) and g["older_versions"] == 1
-    assert g["sglang_x"] == pytest.approx(5250 / 2500)                   # SGLang's own two repetitions pool
+    assert g["sglang_x"] == pytest.approx(5250 / 3000) and g["base_run"] == "same" and g["n_base"] == 1
+    assert t.loc[("headline", 16384, "sglang_default"), "sglang_tok_s"] == pytest.approx(2500)   # every run
     kept = sglang_measures.prefer_current(pd.DataFrame(rows), GRAPH_COLS)
     ours = kept[kept["system.name"] == "sglang_server_granikv"]
-    assert sorted(ours["output_throughput_tok_s"]) == [5000, 5500] and len(kept) == 4
+    assert sorted(ours["output_throughput_tok_s"]) == [5000, 5500] and len(kept) == 3
+    assert list(kept.loc[kept["system.name"] == "sglang_server", "output_throughput_tok_s"]) == [3000]
