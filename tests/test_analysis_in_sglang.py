@@ -239,3 +239,24 @@ def test_a_plugin_row_holds_one_code_version_the_last_measured():
     ours = kept[kept["system.name"] == "sglang_server_granikv"]
     assert sorted(ours["output_throughput_tok_s"]) == [5000, 5500] and len(kept) == 3
     assert list(kept.loc[kept["system.name"] == "sglang_server", "output_throughput_tok_s"]) == [3000]
+
+
+def test_host_quantiles_pool_the_cells_histograms_and_need_every_cell_to_have_one():
+    """The replayed steps' host-time quantiles of a row come from its cells' histograms summed bin by bin (never an
+    average of per-cell quantiles); a row with a cell that recorded no histogram (an older plugin) gets NaN."""
+    import numpy as np
+    import pandas as pd
+
+    from analysis.measures.sglang import plugin_counters
+    from granikv.sglang_plugin.path_stats import host_bin
+
+    lo, hi = str(host_bin(100.0)), str(host_bin(1000.0))
+    cells = pd.DataFrame([{"plugin.steps": 10, "plugin.split_steps": 5, f"plugin.replay_hist.total.{lo}": 7,
+                           f"plugin.replay_hist.own.{lo}": 7},
+                          {"plugin.steps": 10, "plugin.split_steps": 5, f"plugin.replay_hist.total.{hi}": 8,
+                           f"plugin.replay_hist.own.{lo}": 8}])
+    out = plugin_counters(cells)
+    assert 1000 <= out["host_p50_us"] < 1100             # 8 of 15 steps took 1000 us: the pooled median
+    assert 100 <= out["own_p50_us"] < 110 and 100 <= out["own_p90_us"] < 110
+    older = pd.concat([cells, pd.DataFrame([{"plugin.steps": 10, "plugin.split_steps": 5}])], ignore_index=True)
+    assert np.isnan(plugin_counters(older)["host_p50_us"])

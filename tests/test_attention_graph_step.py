@@ -122,16 +122,18 @@ def test_limits_name_the_bad_field(bad):
         GraphLimits(**bad)
 
 
-@settings(max_examples=15, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.sampled_from([(1,), (1, 4), (2,)]), st.booleans())
-def test_one_graph_step_reloaded_for_many_steps_matches_exact_attention(fake_fi_module, seed, folds, hydragen):
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([(1,), (1, 4), (2,)]), st.booleans(), st.sampled_from([1, 3, 4]))
+def test_one_graph_step_reloaded_for_many_steps_matches_exact_attention(fake_fi_module, seed, folds, hydragen,
+                                                                         bucket):
     """ONE GraphStep (its buffers fixed, as a captured graph's), loaded with 8 random steps in turn: every real
-    row of every step equals exact attention over its whole slot list."""
+    row of every step equals exact attention over its whole slot list, with each launch's last class planned
+    over its rows rounded up to ``bucket`` (rows of other paths inside it are computed and left unread)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     pool, b = 96, 10
     lim = GraphLimits(batch=b, folds=folds, fold_min_len=8, groups=2, cascades=2,
-                      region_len=64 if hydragen else pool // 2, cascade_slots=24, scratch=hydragen)
+                      region_len=64 if hydragen else pool // 2, cascade_slots=24, scratch=hydragen, row_bucket=bucket)
     k, v = torch.randn(pool, HKV, D), torch.randn(pool, HKV, D)
     scale = 1 / math.sqrt(D)
     gs = GraphStep(lim, HQ, HKV, D, torch.float32, "cpu", scale, workspace=torch.empty(1))
@@ -225,6 +227,39 @@ def test_a_step_without_a_cascade_class_keeps_the_cascade_plan(fake_fi_module, m
     gs.load(p, table, torch.arange(1, 9))
     assert len(calls) == 3
     assert gs.live.tolist() == [1] and gs.meta.numel() == 4 * 8 + 2
+
+
+def test_a_class_whose_rows_stay_inside_a_bucket_keeps_the_launch_plan(fake_fi_module, monkeypatch):
+    """One dense class and one cascade class, their rows changing by one from step to step (requests joining
+    and leaving): with row_bucket 4 each launch is re-planned only when its class crosses a multiple of 4,
+    and each launch's last segment ends at the bucket (never past the batch); with row_bucket 1, every step."""
+    from granikv.attention import graph_step as gsm
+
+    def replans(bucket, sizes):
+        dense, cas = [], []
+        real_d, real_c = gsm.HotBatch.plan, gsm.fo.plan_prefill_paged
+        monkeypatch.setattr(gsm.HotBatch, "plan", lambda self, hp: (dense.append(1), real_d(self, hp))[1])
+        monkeypatch.setattr(gsm.fo, "plan_prefill_paged", lambda *a, **k: (cas.append(1), real_c(*a, **k))[1])
+        lim = GraphLimits(batch=16, folds=(1,), groups=2, cascades=2, region_len=64, cascade_slots=24,
+                          row_bucket=bucket)
+        gs = GraphStep(lim, HQ, HKV, D, torch.float32, "cpu", 0.3, workspace=torch.empty(1))
+        table = torch.zeros(17, 40, dtype=torch.int32)
+        gs.load(capture_plan(lim), table, torch.arange(1, 17))
+        dense.clear(), cas.clear()
+        for nd, nc in sizes:
+            ids = [7] * nd + [9] * nc + [-1] * (16 - nd - nc)
+            lens = [8] * nd + [6] * nc + [0] * (16 - nd - nc)
+            hots = [8] * nd + [-1] * (16 - nd)
+            p = plan_graph_step(ids, lens, hots, lim, FixedPolicy({7: "dense", 9: "cascade"}), HQ // HKV)
+            hp = p.dense[0]
+            assert hp.qo_indptr[-1] == min(16, -(-nd // bucket) * bucket)              # the dense class, bucketed
+            assert p.cas_qo[2] == min(16, nd + -(-nc // bucket) * bucket) and p.cas_qo[1] == nd
+            gs.load(p, table, torch.arange(1, 17))
+        return len(dense), len(cas)
+
+    steps = [(5, 6), (6, 6), (7, 5), (8, 5), (7, 6), (9, 6), (8, 7)]
+    assert replans(1, steps) == (7, 7)
+    assert replans(4, steps) == (3, 7)        # dense: 8 rows, 12 at (9, 6), 8 again; the cascade's lead moves
 
 
 def test_gather_q_permutes_and_repeats_the_heads():

@@ -96,11 +96,13 @@ def _check(o, q, k, v, rows, scale, tol=2e-2):
 
 
 @needs_fi
-@pytest.mark.parametrize("folds,hydragen,backend", [((1, 2), False, "fa3"), ((1,), False, "fa2"),
-                                                     ((1, 2), True, "fa3")])
-def test_one_captured_step_replays_any_plan(folds, hydragen, backend):
+@pytest.mark.parametrize("folds,hydragen,backend,bucket", [((1, 2), False, "fa3", 1), ((1,), False, "fa2", 1),
+                                                            ((1, 2), True, "fa3", 1), ((1, 2), False, "fa3", 32),
+                                                            ((1, 2), True, "fa3", 32)])
+def test_one_captured_step_replays_any_plan(folds, hydragen, backend, bucket):
     """ONE capture of rest decode + GraphStep.run, then 30 random steps (outputs poisoned before each replay):
-    every real row matches exact attention over its whole slot list."""
+    every real row matches exact attention over its whole slot list; ``bucket``: each launch's last class
+    planned over its rows rounded up (the plugin's row_bucket)."""
     rng = random.Random(11 + len(folds) + hydragen)
     dev = torch.device("cuda")
     b = 48
@@ -109,7 +111,7 @@ def test_one_captured_step_replays_any_plan(folds, hydragen, backend):
     v = torch.randn(POOL, HKV, D, device=dev, dtype=torch.bfloat16)
     scale = 1 / math.sqrt(D)
     lim = GraphLimits(batch=b, folds=folds, fold_min_len=2048, groups=3, cascades=3,
-                      region_len=16384 if hydragen else POOL, cascade_slots=POOL, scratch=hydragen)
+                      region_len=16384 if hydragen else POOL, cascade_slots=POOL, scratch=hydragen, row_bucket=bucket)
     gs = GraphStep(lim, HQ, HKV, D, torch.bfloat16, dev, scale, backend=backend)
     rest = RestDecode(b, dev)
     q = torch.randn(b, HQ, D, device=dev, dtype=torch.bfloat16)

@@ -196,6 +196,44 @@ def test_the_measured_window_is_after_minus_before():
     assert stats_delta(before, None) is None
 
 
+def test_replay_host_times_are_kept_as_histograms_whose_quantiles_bound_the_true_ones():
+    """Each replayed step's host time lands in its stage's histogram (8 bins per octave); a quantile is its
+    bin's upper edge: at or above the true value, within 9%. ``own`` is the total less SGLang's own part."""
+    import gc
+    import random
+
+    from granikv.sglang_plugin.path_stats import GcClock, hist_quantiles, host_bin
+
+    st = PathStats("granikv", "granikv")
+    rng = random.Random(1)
+    totals = sorted(rng.uniform(50, 5000) for _ in range(1000))
+    for t in rng.sample(totals, len(totals)):
+        st.replay(t, {"prefix": 10.0, "make": 5.0, "load": 5.0, "index": t / 2})
+    q = st.to_dict()["replay_quantiles_us"]
+    for name, frac in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+        true = totals[int(frac * len(totals)) - 1]
+        assert true <= q["total"][name] <= true * 2 ** (1 / 8) * 1.001
+        assert q["own"][name] == pytest.approx(q["total"][name] / 2, rel=0.1)
+    assert q["prefix"]["p99"] == 2 ** (host_bin(10.0) / 8) and 10.0 <= q["prefix"]["p50"] < 11
+    assert hist_quantiles({}) == {} and host_bin(0.3) == 0 and hist_quantiles({"0": 3})["p50"] == 1.0
+    # the window's quantiles come from the window's histograms (after - before)
+    before = json.loads(json.dumps(st.to_dict()))
+    for _ in range(100):
+        st.replay(20000.0, {"index": 100.0})
+    r = stats_delta(before, json.loads(json.dumps(st.to_dict())))
+    assert r["replay_steps"] == 100 and 20000 <= r["replay_quantiles_us"]["total"]["p50"] < 22000
+    assert r["replay_quantiles_us"]["prefix"] == {}
+    clock = GcClock()
+    try:
+        st.gc_clock = clock
+        gc.collect()
+        d = st.to_dict()["gc"]
+        assert d["gen2"]["count"] >= 1 and d["gen2"]["ms"] > 0
+    finally:
+        clock.close()
+    assert clock._on not in gc.callbacks
+
+
 def test_decision_table_source(tmp_path):
     auto = load_hardware("auto", "NVIDIA H200")
     assert auto is not None and auto.name == "h200" and auto.decision_table
@@ -339,7 +377,8 @@ def test_the_memo_reads_a_request_once_and_again_when_its_path_changes():
     r1.last_node = Node(shared, 9)                       # r1's path changed: read again, not taken whole
     step_prefixes([r1, r2], PluginSettings(), memo=memo)
     assert (memo.misses, memo.hits, memo.whole) == (3, 5, 1)
-    assert list(memo.entries) == [id(r1), id(r2)]
+    assert getattr(r1, memo.attr)[0] is r1.last_node and memo.entries([r2])[0][1:] == (first.prefix_ids[1], 512, 1)
+    assert PrefixMemo().entries([r1]) == [None]                    # another memo never reads this one's
     # the radix tree splits the slab's node (upper part keeps the slab): a new request still joins the class
     upper = Node(shared.parent, 200, slab)
     shared.parent, shared.value = upper, list(range(312))

@@ -96,6 +96,7 @@ def test_settings_from_the_environment():
                 {"GRANIKV_HOT_SPLIT": "dynamic", "GRANIKV_HOT_MAX_FRACTION": "0.1"},
                 {"GRANIKV_COLD_WATERMARK": "x"}, {"GRANIKV_HOT_MIN_FRACTION": "1.2"}, {"GRANIKV_DENSE_FOLD": "3"},
                 {"GRANIKV_DENSE_BACKEND": "fa9"}, {"GRANIKV_GRAPH_GROUPS": "0"}, {"GRANIKV_HYDRAGEN_SCRATCH": "-1"},
+                {"GRANIKV_ROW_BUCKET": "0"},
                 {"GRANIKV_DISPATCH": "dense"}):
         with pytest.raises(ValueError, match="GRANIKV_"):
             PluginSettings.from_env(env)
@@ -106,7 +107,7 @@ SAMPLE = {"hot_fraction": 0.35, "prefix_len": 2048, "hardware": "h200", "stats_f
           "cascade_impl": "multilevel", "decode_plan": "flashinfer", "hot_split": "dynamic",
           "hot_min_fraction": 0.1, "hot_max_fraction": 0.6, "cold_watermark": 0.07, "graph_groups": 4,
           "graph_cascades": 2, "dense_fold": 4, "dense_fold_min_len": 8192, "dense_backend": "fa2",
-          "hydragen_scratch": 32768, "dispatch": "paged_only"}
+          "hydragen_scratch": 32768, "dispatch": "paged_only", "row_bucket": 16}
 # SystemConfig's fields the plugin does not read: what a server's command line or our engine takes
 ENGINE_ONLY = {"name", "backend", "tensor_core_decode", "dense_kernel", "engine", "server"}
 

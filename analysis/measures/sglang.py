@@ -4,6 +4,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.common import NULL, SYSTEM_SETTINGS, identity
+from granikv.sglang_plugin.path_stats import hist_quantiles
 
 
 
@@ -24,6 +25,12 @@ PATHS = ("dense", "cascade", "hydragen", "paged")
 
 
 STAGES = ("prefix", "index", "make", "load", "dispatch")
+
+
+# host time per replayed decode step, quantiles of the cells' pooled histograms (plugin.replay_hist.<stage>):
+# column -> (stage, quantile). ``own``: the plugin's part (the step's whole host time less SGLang's own rest-decode
+# plan, which SGLang's replay does alike)
+HOST_QUANTILES = {"host_p50_us": ("total", "p50"), "own_p50_us": ("own", "p50"), "own_p90_us": ("own", "p90")}
 
 
 # the plugin settings a row is split by (never pooled across), and today's values
@@ -49,13 +56,20 @@ def with_graph_form(cells: pd.DataFrame) -> pd.DataFrame:
 
 def plugin_counters(cells: pd.DataFrame) -> dict:
     """The plugin's counters summed over ``cells`` (one system and point): row shares by path and host
-    microseconds per split step (NaN where not recorded; see the module docstring)."""
-    out = {**{f"rows_{p}": np.nan for p in PATHS}, "plan_us": np.nan, **{f"{s}_us": np.nan for s in STAGES}}
+    microseconds per split step, and the quantiles of HOST_QUANTILES over every replayed step (NaN where not
+    recorded, or where one of the cells did not record it; see the module docstring)."""
+    out = {**{f"rows_{p}": np.nan for p in PATHS}, "plan_us": np.nan, **{f"{s}_us": np.nan for s in STAGES},
+           **{c: np.nan for c in HOST_QUANTILES}}
     if cells.empty or "plugin.steps" not in cells.columns:
         return out
     rec = cells[cells["plugin.steps"].fillna(0) > 0]      # a window with no step counted recorded nothing
     if rec.empty:
         return out
+    for col, (stage, q) in HOST_QUANTILES.items():       # histograms pool by summing their bins
+        pre = f"plugin.replay_hist.{stage}."
+        bins = [c for c in rec.columns if c.startswith(pre)]
+        if bins and rec[bins].notna().any(axis=1).all():
+            out[col] = hist_quantiles({c[len(pre):]: rec[c].fillna(0).sum() for c in bins}).get(q, np.nan)
     rows = {p: rec.get(f"plugin.rows.{p}", pd.Series(0.0, index=rec.index)).fillna(0).sum() for p in PATHS}
     total = sum(rows.values())
     steps = rec["plugin.split_steps"].fillna(0).sum()

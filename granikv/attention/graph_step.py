@@ -11,8 +11,10 @@ Per layer the captured step runs, every tensor of the captured batch size B:
     merge_rows(o, lse, [dense states..., cascade state], kind, src, folds)   one launch, the folds merged too
 
 Each launch reads one run of ``qp``: rows before its run form a lead segment over a dummy key (the dense
-source's first ``dummy`` keys, which no slab holds) or a dummy slot (cascade); rows after it are not
-covered. Their outputs are never read: row r merges only the source ``kind[r]`` names, at ``src[r]``.
+source's first ``dummy`` keys, which no slab holds) or a dummy slot (cascade); its last class takes its rows
+rounded up to ``row_bucket`` (the next rows of ``qp``, so that a request joining or leaving the class seldom
+changes the launch's segments and FlashInfer's host plan); rows after that are not covered. The outputs of
+rows outside a launch's classes are never read: row r merges only the source ``kind[r]`` names, at ``src[r]``.
 
 What changes from step to step (classes, paths, slabs, row order) is written into fixed buffers before
 the replay: :func:`plan_graph_step` is the host arithmetic (pure, no tensor), :meth:`GraphStep.load` one
@@ -52,12 +54,15 @@ class GraphLimits:
     region_len: int = 0
     cascade_slots: int = 0
     scratch: bool = False              # the dense source is a scratch the prefixes are gathered into (HydraGen)
+    row_bucket: int = 1                # a launch's last class is planned over its rows rounded up to a multiple
 
     def __post_init__(self):
         if self.batch < 1:
             raise ValueError(f"GraphLimits.batch: must be >= 1, got {self.batch}")
         if not self.folds or any(f < 1 or f & (f - 1) for f in self.folds) or len(set(self.folds)) != len(self.folds):
             raise ValueError(f"GraphLimits.folds: distinct powers of two >= 1, got {self.folds}")
+        if self.row_bucket < 1:
+            raise ValueError(f"GraphLimits.row_bucket: must be >= 1, got {self.row_bucket}")
         if self.groups < 1 or self.cascades < 0 or self.region_len < 0 or self.cascade_slots < 0:
             raise ValueError(f"GraphLimits: groups >= 1, cascades / region_len / cascade_slots >= 0, got {self}")
 
@@ -104,6 +109,18 @@ class GraphStepPlan:
             out.append({"prefix_id": -1, "batch": nopfx, "meff": nopfx * group, "prefix_len": 0, "hot": False,
                         "backend": "paged"})
         return out
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _bucketed(g: HotGroup, lim: GraphLimits) -> HotGroup:
+    """A launch's last group with its rows rounded up to ``lim.row_bucket`` (at most to the batch's end): the
+    rows it takes past its own are the next rows of ``qp`` (later launches', cascade, rest or pad rows), whose
+    outputs from this launch no row merges. The plan then changes only when the class crosses a multiple."""
+    return HotGroup(g.hot_start, g.prefix_len, g.row_start,
+                    min(_round_up(g.rows, lim.row_bucket), lim.batch - g.row_start))
 
 
 def _fits(start: int, lp: int, fold: int, lim: GraphLimits) -> bool:
@@ -185,6 +202,8 @@ def plan_graph_step(ids: list[int], lens: list[int], hots: list[int], lim: Graph
             perm.extend(c.rows)
             for r in c.rows:
                 kind[r], skip[r] = i + 1, c.prefix_len
+        if groups:
+            groups[-1] = _bucketed(groups[-1], lim)
         f = lim.folds[i]
         dense.append(plan_hot_batch(groups, fold=f, max_segments=lim.dense_segments,
                                     region=(0, lim.region_len // f * f), lead_rows=lead if groups else 0))
@@ -199,6 +218,8 @@ def plan_graph_step(ids: list[int], lens: list[int], hots: list[int], lim: Graph
         cas_qo.append(len(perm))
         cas_kv.append(cas_kv[-1] + c.prefix_len)
         cas_rows.append(c.rows[0])
+    if cas:                                                          # the last class's rows, bucketed
+        cas_qo[-1] = min(b, cas_qo[-2] + _round_up(cas_qo[-1] - cas_qo[-2], lim.row_bucket))
     for _ in range(lim.cascades - len(cas)):                         # pads: no rows, one dummy slot
         cas_qo.append(cas_qo[-1])
         cas_kv.append(cas_kv[-1] + 1)

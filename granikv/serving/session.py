@@ -28,7 +28,7 @@ from granikv.serving.client import Replay, ReplayClient, ReplayError
 from granikv.serving.profile import ServerProfile
 from granikv.serving.server import POOL, ServerError, ServerPool, server_spec
 from granikv.serving.sglang_log import parse_steps
-from granikv.sglang_plugin.path_stats import STAGES
+from granikv.sglang_plugin.path_stats import STAGES, hist_quantiles
 from granikv.workloads import warmup_requests
 
 # /server_info keys kept in provenance.engine.server_info (the rest is per-request internal state)
@@ -172,6 +172,8 @@ def stats_delta(before: Optional[dict], after: Optional[dict]) -> Optional[dict]
     out["per_split_step_us"] = {k: out.get(f"{k}_us", 0.0) / n for k in STAGES}
     if "replay_steps" in out:
         out["per_replay_step_us"] = (out.get("replay_host_us") or 0.0) / max(int(out["replay_steps"] or 0), 1)
+    if isinstance(out.get("replay_hist"), dict):      # the window's quantiles, from its own histograms
+        out["replay_quantiles_us"] = {s: hist_quantiles(h) for s, h in out["replay_hist"].items()}
     out.pop("max_batch", None)
     out["max_batch_since_start"] = after.get("max_batch")
     return out

@@ -52,7 +52,7 @@ from granikv.attention.dispatch import Dispatcher
 from granikv.attention.gpu_paths import host_range
 from granikv.attention.graph_step import GraphLimits, GraphStep, capture_plan, plan_graph_step, shared_buffers
 from granikv.attention.policy import make_policy
-from granikv.sglang_plugin.path_stats import PathStats, StatsWriter, describe, load_hardware
+from granikv.sglang_plugin.path_stats import GcClock, PathStats, StatsWriter, describe, load_hardware
 from granikv.sglang_plugin.settings import PluginSettings
 from granikv.sglang_plugin.step_prefixes import PrefixMemo, StepPrefixes, staged_for, step_prefixes
 
@@ -98,6 +98,7 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
                                       cascade_impl=self.settings.cascade_impl if policy_name == "cascade"
                                       else "multilevel", decode_plan=self.settings.decode_plan)
         self.stats = PathStats(backend_name, policy_name)
+        self.stats.gc_clock = GcClock()
         self._writer = StatsWriter(self.settings.stats_file)
         self._staged: Optional[StepPrefixes] = None
         self.prefix_memo = PrefixMemo()    # last step's requests: an unchanged one is not read again
@@ -213,7 +214,7 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
         return GraphLimits(batch=bs, folds=(1, fold) if fold > 1 else (1,), fold_min_len=st.dense_fold_min_len,
                            groups=st.graph_groups, cascades=st.graph_cascades,
                            region_len=st.hydragen_scratch if scratch else pool,
-                           cascade_slots=pool, scratch=scratch)
+                           cascade_slots=pool, scratch=scratch, row_bucket=st.row_bucket)
 
     def _graph_step(self, bs: int) -> GraphStep:
         gs = self.graph_steps.get(bs)
@@ -278,8 +279,10 @@ class GraniKVAttnBackend(FlashInferAttnBackend):
             self.kv_indptr[0], gs.skip, None, lens_h, fixed_split_size=None,
             disable_split_kv=self.disable_cuda_graph_kv_split)
         t3 = time.perf_counter()
-        host = (t3 - t0) * 1e6 + (staged.host_us if staged is not None else 0.0)
-        self.stats.replay(host)
+        prefix_us = staged.host_us if staged is not None else 0.0
+        host = (t3 - t0) * 1e6 + prefix_us
+        self.stats.replay(host, {"prefix": prefix_us, "make": (t1 - t0) * 1e6, "load": (t2 - t1) * 1e6,
+                                 "index": (t3 - t2) * 1e6})
         m = self.prefix_memo
         self.stats.memo(m.hits, m.misses, m.whole)
         if reason is not None or not p.split:

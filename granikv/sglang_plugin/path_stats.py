@@ -7,7 +7,9 @@ per-step dispatch cost inside SGLang's step is ``dispatch_us / split_steps``.
 """
 from __future__ import annotations
 
+import gc
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -21,6 +23,60 @@ CONF_HARDWARE = Path(__file__).resolve().parents[2] / "conf" / "hardware"
 STAGES = ("prefix", "dispatch", "plan", "index", "make", "load")
 # why a decode step ran SGLang's own paged path instead of a plan of ours
 PAGED_REASONS = ("no_prefix", "no_split", "staged_mismatch", "no_cpu_seq_lens", "full_graph_replay", "capture")
+# host time of every replayed decode step, by stage, as a histogram (:class:`HostHistogram`): ``total`` the whole
+# replay-metadata host time with the prefix read; ``own`` the plugin's part of it (``total`` less ``index``, the
+# rest decode's index list and FlashInfer plan, which SGLang's own replay does alike)
+REPLAY_STAGES = ("total", "own", "prefix", "make", "load", "index")
+BINS_PER_OCTAVE = 8
+
+
+def host_bin(us: float) -> int:
+    """The histogram bin of a host time: bin k holds ``(2**((k-1)/8), 2**(k/8)]`` us (bin 0: <= 1 us)."""
+    return max(0, math.ceil(math.log2(us) * BINS_PER_OCTAVE)) if us > 1.0 else 0
+
+
+def hist_quantiles(hist: dict, qs: tuple = (0.5, 0.9, 0.99)) -> dict:
+    """``{"p50": us, ...}`` of a histogram ``{str(bin): count}`` (each quantile the upper edge of its bin: within
+    9%, never below the true value); ``{}`` when it is empty."""
+    items = sorted((int(k), int(v)) for k, v in hist.items() if int(v) > 0)
+    n = sum(v for _, v in items)
+    if not n:
+        return {}
+    out, seen, it = {}, 0, iter(items)
+    k = 0
+    for q in qs:
+        while seen < q * n:
+            k, v = next(it)
+            seen += v
+        out[f"p{round(q * 100)}"] = 2.0 ** (k / BINS_PER_OCTAVE)
+    return out
+
+
+class GcClock:
+    """The Python garbage collector's pauses in this process (``gc.callbacks``): per generation, how many and
+    their total ms, so that a host-time spike can be told from the plugin's own work."""
+
+    def __init__(self):
+        self.count = [0, 0, 0]
+        self.ms = [0.0, 0.0, 0.0]
+        self._t0: Optional[float] = None
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            g = min(int(info.get("generation", 0)), 2)
+            self.count[g] += 1
+            self.ms[g] += (time.perf_counter() - self._t0) * 1e3
+            self._t0 = None
+
+    def to_dict(self) -> dict:
+        return {f"gen{g}": {"count": self.count[g], "ms": self.ms[g]} for g in range(3)}
+
+    def close(self) -> None:
+        if self._on in gc.callbacks:
+            gc.callbacks.remove(self._on)
 
 
 @dataclass
@@ -40,7 +96,10 @@ class PathStats:
     every replayed decode step (split or not) and ``replay_host_us`` their whole host time (reading the
     prefixes, the plan, the buffer load, the rest decode's index list and re-plan). ``prefix_memo``: the
     prefix read's memo (``granikv.sglang_plugin.step_prefixes.PrefixMemo``): requests taken from it
-    (``hits``), read off the tree (``misses``), and steps taken whole (``whole``).
+    (``hits``), read off the tree (``misses``), and steps taken whole (``whole``). ``replay_hist``: per stage of
+    :data:`REPLAY_STAGES`, the replayed steps' host times as a histogram ``{str(bin): steps}`` (:func:`host_bin`),
+    whose quantiles ``to_dict`` gives as ``replay_quantiles_us``; ``gc``: the process's garbage-collector pauses
+    (:class:`GcClock`), when a clock is attached.
     """
 
     backend: str
@@ -61,6 +120,10 @@ class PathStats:
     replay_steps: int = 0
     replay_host_us: float = 0.0
     prefix_memo: dict = field(default_factory=lambda: {"hits": 0, "misses": 0, "whole": 0})
+    replay_hist: dict = field(default_factory=lambda: {s: {} for s in REPLAY_STAGES})
+
+    def __post_init__(self):
+        self.gc_clock: Optional[GcClock] = None     # attached by the backend (not a counter: left out of asdict)
 
     def paged(self, reason: str) -> None:
         if reason not in self.paged_steps:
@@ -92,16 +155,27 @@ class PathStats:
         """The prefix memo's counts so far (they are the memo's own running totals)."""
         self.prefix_memo = {"hits": int(hits), "misses": int(misses), "whole": int(whole)}
 
-    def replay(self, host_us: float) -> None:
-        """One replayed decode step of a full decode graph (split or not): its host time."""
+    def replay(self, host_us: float, stages: Optional[dict] = None) -> None:
+        """One replayed decode step of a full decode graph (split or not): its host time, and ``stages`` (us by
+        stage of :data:`REPLAY_STAGES` but ``total`` and ``own``, which come from ``host_us``) into the histograms."""
         self.replay_steps += 1
         self.replay_host_us += host_us
+        times = dict(stages or {}, total=host_us)
+        if "index" in times:
+            times["own"] = host_us - times["index"]
+        for stage, us in times.items():
+            h = self.replay_hist[stage]
+            k = str(host_bin(us))
+            h[k] = h.get(k, 0) + 1
 
     def to_dict(self) -> dict:
         d = asdict(self)
         n = max(self.split_steps, 1)
         d["per_split_step_us"] = {k: getattr(self, f"{k}_us") / n for k in STAGES}
         d["per_replay_step_us"] = self.replay_host_us / max(self.replay_steps, 1)
+        d["replay_quantiles_us"] = {s: hist_quantiles(h) for s, h in self.replay_hist.items()}
+        if self.gc_clock is not None:
+            d["gc"] = self.gc_clock.to_dict()
         return d
 
 

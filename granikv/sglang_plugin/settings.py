@@ -26,7 +26,8 @@ PLUGIN_DEFAULTS = {"cascade_impl": "composed", "decode_plan": "fast"}
 # the plugin's own settings, no system field: (name, type, default), placed after hot_fraction
 OWN_FIELDS = (("prefix_len", "int", 0), ("hardware", "str", "auto"), ("stats_file", "str", ""),
               ("graph_groups", "int", 8), ("graph_cascades", "int", 8), ("dense_fold", "int", 2),
-              ("dense_fold_min_len", "int", 12288), ("dense_backend", "str", "auto"), ("hydragen_scratch", "int", 65536))
+              ("dense_fold_min_len", "int", 12288), ("dense_backend", "str", "auto"), ("hydragen_scratch", "int", 65536),
+              ("row_bucket", "int", 32))
 DENSE_BACKENDS = ("auto", "fa2", "fa3")
 _PARSE = {"float": float, "int": int, "str": str}   # a field's declared type -> how its variable is read
 _WHAT = {"float": "a number", "int": "an int", "str": "a string"}
@@ -63,7 +64,7 @@ class _Settings:
                 raise ValueError(f"config error at `{env_name(f.name)}`: must be {_WHAT[f.type]}, got {v!r}")
         if self.prefix_len < 0:
             raise ValueError(f"config error at `{ENV_PREFIX_LEN}`: must be an int >= 0, got {self.prefix_len!r}")
-        for name in ("graph_groups", "hydragen_scratch"):
+        for name in ("graph_groups", "hydragen_scratch", "row_bucket"):
             if getattr(self, name) < 1:
                 raise ValueError(f"config error at `{env_name(name)}`: must be an int >= 1, got {getattr(self, name)!r}")
         if self.graph_cascades < 0 or self.dense_fold_min_len < 0:
@@ -144,6 +145,10 @@ folding ``dense_fold`` keys of a head into one (more CTAs for long prefixes); a 
 ``dense_fold_min_len`` tokens takes the folded one, and HOT slabs start on multiples of ``dense_fold``.
 ``dense_backend``: FlashInfer's backend of the dense launches (``auto``: fa3 on Hopper).
 ``hydragen_scratch``: tokens of the scratch the HydraGen backend gathers a step's prefixes into.
+``row_bucket``: the query rows of a launch's last class are planned in multiples of it (the rows past the
+class are other rows of the step, whose outputs go unread), so FlashInfer re-plans that launch on the host
+only when the class crosses a multiple, not whenever a request joins or leaves it. 32 rows are one query
+tile of 128 packed heads at 4 query heads per KV head: a class's tiles stay as many (1: exact rows).
 
 The fields of SYSTEM_FIELDS are SystemConfig's (name, type; default unless PLUGIN_DEFAULTS), and
 are checked by the same rules (granikv.config.check_split)."""

@@ -13,13 +13,16 @@ The prefix is one contiguous HOT run when every node from the root's child down 
 in one slab (the slab then starts at position 0: its slots are ``slab.start + position``); such a
 class is named by its slab's start and ``n`` instead, which no later split of the radix tree changes.
 
-Per step, a request already seen with the same ``last_node`` is not read again (:class:`PrefixMemo`):
-while it runs its path is locked, so its slab can be neither evicted nor moved. A step whose requests and
-their ``last_node`` are last step's, in the same order (no request joined or left), takes last step's lists
-whole: two identity checks at C speed instead of a Python pass over the batch.
+Per request, what was read is kept on the request itself (an attribute the memo names) with the ``last_node``
+it was read from; a later step takes it again while ``last_node`` is the same: while a request runs its path
+is locked, so its slab can be neither evicted nor moved. A request is thus read once, when it joins the
+decode batch (or when its path changes), and a step's lists are gathered at C speed (``map`` over attribute
+and item getters), with no per-request Python. A step whose requests and their ``last_node`` are last step's,
+in the same order, takes last step's lists whole.
 """
 from __future__ import annotations
 
+import itertools
 import operator
 import time
 from dataclasses import dataclass, field
@@ -86,19 +89,31 @@ class StepPrefixes:
 
 
 class PrefixMemo:
-    """What :func:`step_prefixes` read last step, per request: ``id(req) -> (req, last_node, pid, n, hs)``;
-    and the whole step (``last``: its requests, their nodes, its :class:`StepPrefixes`). Holds only the last
-    step's requests (each step replaces it), so an id is never reused stale. ``whole``: steps taken whole."""
+    """Where :func:`step_prefixes` keeps what it read: per request, the tuple ``(last_node, prefix_id, n,
+    hot_start)`` as the request's attribute ``attr`` (one name per memo, so two memos never share a read);
+    and the whole last step (``last``: its requests, their nodes, its :class:`StepPrefixes`). Counters:
+    requests taken from the memo (``hits``), read off the tree (``misses``), steps taken whole (``whole``)."""
+
+    _names = itertools.count()
 
     def __init__(self):
-        self.entries: dict[int, tuple] = {}
+        self.attr = f"_granikv_prefix_{next(PrefixMemo._names)}"
+        self.entry = operator.attrgetter(self.attr)
         self.last: Optional[tuple[list, list, StepPrefixes]] = None
         self.hits = 0
         self.misses = 0
         self.whole = 0
 
+    def entries(self, reqs: list) -> list:
+        """Each request's kept tuple, None where it has none (C speed when every request has one)."""
+        try:
+            return list(map(self.entry, reqs))
+        except AttributeError:
+            return [getattr(r, self.attr, None) for r in reqs]
+
 
 _LAST_NODE = operator.attrgetter("last_node")
+_NODE, _PID, _LEN, _HOT = (operator.itemgetter(i) for i in range(4))
 
 
 def _nodes(reqs: list) -> list:
@@ -109,44 +124,53 @@ def _nodes(reqs: list) -> list:
         return [getattr(r, "last_node", None) for r in reqs]
 
 
+def _read(req, node, settings: PluginSettings, slab_of) -> tuple:
+    """``(node, prefix_id, n, hot_start)`` of one request read off the tree (n 0 where it has no prefix)."""
+    sp = getattr(req, "sampling_params", None)
+    n = shared_prefix_len(getattr(sp, "custom_params", None), len(req.origin_input_ids), settings)
+    pid, hs = request_prefix(node, n, slab_of)
+    return node, pid, n if pid >= 0 else 0, hs
+
+
 def step_prefixes(reqs: Iterable[Any], settings: PluginSettings,
                   slab_of: Callable[[Any], Any] = _slab_of, memo: Optional[PrefixMemo] = None) -> StepPrefixes:
     """The :class:`StepPrefixes` of a decode batch's requests (SGLang ``Req`` objects: their
     ``sampling_params.custom_params``, ``origin_input_ids`` and ``last_node``), in batch order.
-    ``memo``: requests seen last step with the same ``last_node`` are taken from it, and a step of last step's
-    requests and nodes takes last step's lists whole (shared: callers never change them)."""
+    ``memo``: a request read before with the same ``last_node`` is taken from what the memo kept on it, and a
+    step of last step's requests and nodes takes last step's lists whole (shared: callers never change them).
+    Without a memo every request is read."""
     t0 = time.perf_counter()
     reqs = reqs if isinstance(reqs, list) else list(reqs)
     nodes = _nodes(reqs)
-    if memo is not None and memo.last is not None:
-        last_reqs, last_nodes, last = memo.last
-        if (len(last_reqs) == len(reqs) and all(map(operator.is_, last_reqs, reqs))
-                and all(map(operator.is_, last_nodes, nodes))):
-            memo.hits += len(reqs)
-            memo.whole += 1
-            return StepPrefixes(last.prefix_ids, last.prefix_lens, last.hot_starts,
-                                (time.perf_counter() - t0) * 1e6)
-    out = StepPrefixes()
-    old = memo.entries if memo is not None else {}
-    new: dict[int, tuple] = {}
-    ids, lens, hots = out.prefix_ids, out.prefix_lens, out.hot_starts
-    misses = 0
-    for req, node in zip(reqs, nodes):
-        e = old.get(id(req))
-        if e is None or e[0] is not req or e[1] is not node:       # new, or its path changed: read it
-            sp = getattr(req, "sampling_params", None)
-            n = shared_prefix_len(getattr(sp, "custom_params", None), len(req.origin_input_ids), settings)
-            pid, hs = request_prefix(node, n, slab_of)
-            e = (req, node, pid, n if pid >= 0 else 0, hs)
+    if memo is None:
+        ents = [_read(r, nd, settings, slab_of) for r, nd in zip(reqs, nodes)]
+    else:
+        if memo.last is not None:
+            last_reqs, last_nodes, last = memo.last
+            if (len(last_reqs) == len(reqs) and all(map(operator.is_, last_reqs, reqs))
+                    and all(map(operator.is_, last_nodes, nodes))):
+                memo.hits += len(reqs)
+                memo.whole += 1
+                return StepPrefixes(last.prefix_ids, last.prefix_lens, last.hot_starts,
+                                    (time.perf_counter() - t0) * 1e6)
+        ents = memo.entries(reqs)
+        misses = 0
+        i = -1
+        while None in ents:                               # requests that joined: found at C speed
+            i = ents.index(None, i + 1)
+            ents[i] = _read(reqs[i], nodes[i], settings, slab_of)
+            setattr(reqs[i], memo.attr, ents[i])
             misses += 1
-        new[id(req)] = e
-        ids.append(e[2])
-        lens.append(e[3])
-        hots.append(e[4])
-    if memo is not None:
+        if not all(map(operator.is_, map(_NODE, ents), nodes)):
+            for i, (req, node, e) in enumerate(zip(reqs, nodes, ents)):
+                if e[0] is not node:                      # its path changed (re-cached): read it again
+                    ents[i] = _read(req, node, settings, slab_of)
+                    setattr(req, memo.attr, ents[i])
+                    misses += 1
         memo.misses += misses
         memo.hits += len(reqs) - misses
-        memo.entries = new
+    out = StepPrefixes(list(map(_PID, ents)), list(map(_LEN, ents)), list(map(_HOT, ents)))
+    if memo is not None:
         memo.last = (reqs.copy(), nodes, out)
     out.host_us = (time.perf_counter() - t0) * 1e6
     return out

@@ -12,6 +12,7 @@
 #   bash runners/gpu/sglang.sh install      # all parts there: check MANIFEST sha256, pip install --target /tmp/sgl_site,
 #                                           # restore the JIT cache
 #   bash runners/gpu/sglang.sh gate [overrides]   # start (or reuse) the server, serve 16 requests
+#   bash runners/gpu/sglang.sh kernels      # the plugin's captured-step GPU tests under SGLang's FlashInfer
 #   bash runners/gpu/sglang.sh stop         # stop every server this recipe started (by pid)
 # and runners/gpu/sweep.sh measures with GRANIKV_ENGINE=sglang (it sources this file: install, gate,
 # then the sweep). Consecutive calls on the same machine (it stays warm ~30 s after a call) reuse
@@ -129,6 +130,25 @@ sglang_gate() {   # start or reuse the server, serve a few requests through the 
   _slog "SGLang gate passed: $(python3 -c "import json,glob; m=json.load(open(glob.glob('$G/sglang_gate/*/metrics.json')[0])); print(m['num_requests'], 'requests,', m['num_output_tokens'], 'tokens,', round(m['output_throughput_tok_s']), 'tok/s')")"
 }
 
+# The plugin's captured-step kernels under SGLang's own FlashInfer (0.6.15, not the engine's 0.7.2): the GPU
+# tests of the captured step and the hot batch, in the server's environment (SGLang's site first), with the
+# shared JIT cache. Log: $OUT/sglang_kernel_tests.log (commit it with the cells it gates). Selection: the
+# arguments (default: both test files, without the fa2 cases, whose modules SGLang's servers never build).
+sglang_kernels() {
+  local SEL="${*:-tests/test_attention_graph_step_gpu.py tests/test_attention_hot_batch_gpu.py}"
+  local LOG=${OUT:-/tmp}/sglang_kernel_tests.log
+  _slog "pytest -m gpu $SEL, under SGLang's FlashInfer"
+  # shellcheck disable=SC2086
+  PYTHONPATH=$SGL_SITE:$PYTHONPATH $PY -m pytest -m gpu $SEL -k "not fa2" -q -p no:cacheprovider > "$LOG" 2>&1
+  local RC=$?
+  PYTHONPATH=$SGL_SITE $PY -c "import flashinfer; print('flashinfer', flashinfer.__version__)" >> "$LOG" 2>&1
+  tail -4 "$LOG"
+  if [ "$RC" != 0 ] || grep -q "skipped" <(grep -E "passed|failed" "$LOG" | tail -1); then
+    _slog "kernel tests rc=$RC (or skipped): see sglang_kernel_tests.log"
+    return 3
+  fi
+}
+
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then   # run as a command (sweep.sh sources it for the functions)
   set -uo pipefail
   T0=$(date +%s)
@@ -137,7 +157,8 @@ if [ "${BASH_SOURCE[0]}" = "$0" ]; then   # run as a command (sweep.sh sources i
     install) sglang_install && sglang_jit_restore ;;
     pack) sglang_pack_jit "${2:-3}" ;;
     gate) shift; GRANIKV_SGLANG_GATE_ARGS="$*"; sglang_env_setup && sglang_gate ;;
+    kernels) shift; sglang_env_setup && sglang_kernels "$@" ;;
     stop) PYTHONPATH=$SGL_ROOT:$SGL_ROOT/.gpu_site/py python3 -m granikv.serving.server stop ;;
-    *) echo "usage: bash runners/gpu/sglang.sh stage|install|pack [MAX_PARTS]|gate [overrides]|stop" >&2; exit 2 ;;
+    *) echo "usage: bash runners/gpu/sglang.sh stage|install|pack [MAX_PARTS]|gate [overrides]|kernels [tests]|stop" >&2; exit 2 ;;
   esac
 fi

@@ -20,7 +20,8 @@ baseline runs ``composed``), ``decode_plan`` (how the plugin re-planned FlashInf
 SGLang default (``sglang_x``: over real SGLang; ``engine_x``: over the engine's sglang_default), ITL
 and TTFT p50 in SGLang, and the plugin's own counters over the measured window: the share of decode
 rows by path, and the host time per planned decode step, whole (``plan_us``: prefix read + KV index
-list + step plan + FlashInfer's plan calls) and by stage. A counter the cell did not record (an
+list + step plan + FlashInfer's plan calls) and by stage, and the median (and p90) host time per replayed decode
+step (``host_p50_us``; ``own_*``: less SGLang's own rest-decode plan). A counter the cell did not record (an
 older cell without the stage split, or a run whose counter file was never rewritten) is NaN. A plugin row
 holds the cells of ONE code version, the one its point measured last (``older_versions``: the cells of
 earlier versions left out, never pooled with them). Its ``sglang_x`` divides by the SGLang-default cells of the
@@ -41,8 +42,8 @@ from analysis.common import (NOT_MEASURED, THROUGHPUT, aggregate, placeholder_fi
                              sort_rows, with_derived, write_table)
 from analysis.gpu import GPU, gpu_names, one_gpu, ordered, with_gpu
 from analysis.load import Results
-from analysis.measures.sglang import (BASE, COMMIT, PATHS, STAGES, SYSTEMS, VARIANTS, latest_version, plugin_counters,
-                                     variant_keys, with_graph_form, without_ablations)
+from analysis.measures.sglang import (BASE, COMMIT, HOST_QUANTILES, PATHS, STAGES, SYSTEMS, VARIANTS, latest_version,
+                                     plugin_counters, variant_keys, with_graph_form, without_ablations)
 from analysis.paper import paper_claims
 from analysis.plots import legend_below, lp_axis, mark_paper, suptitle, system_colors, title_of
 from analysis.registry import register_exhibit
@@ -58,7 +59,7 @@ SETS = {"headline": {"workload.kind": "=sharegpt", "workload.num_prefixes": "=1"
 HEADLINE_LPS = (512, 2048, 8192, 16384)      # the Lp every in-SGLang system is planned at
 COLS = ["set", GPU, "workload.prefix_len", "system", "cascade_impl", "decode_plan", "decode_graphs", "n_sglang", "sglang_tok_s", "sglang_x", "n_base", "base_run", "n_engine", "engine_tok_s",
         "engine_x", "sglang_itl_p50_ms", "sglang_ttft_p50_ms", *[f"rows_{p}" for p in PATHS], "plan_us",
-        *[f"{s}_us" for s in STAGES], "older_versions", "status"]
+        *[f"{s}_us" for s in STAGES], *HOST_QUANTILES, "older_versions", "status"]
 
 
 def _mean(df: pd.DataFrame, system: str, metric: str) -> tuple[float, int]:
@@ -264,7 +265,7 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     t = in_sglang_table(res)
     write_table(t, NAME, out, {"sglang_tok_s": 0, "engine_tok_s": 0, "sglang_x": 2, "engine_x": 2,
                                "sglang_itl_p50_ms": 1, "sglang_ttft_p50_ms": 0, **{f"rows_{p}": 2 for p in PATHS},
-                               "plan_us": 0, **{f"{s}_us": 0 for s in STAGES}},
+                               "plan_us": 0, **{f"{s}_us": 0 for s in STAGES}, **{c: 0 for c in HOST_QUANTILES}},
                 title="The four systems inside real SGLang (granikv plugin) and in our engine, Llama-3.1-8B TP=1, B=256",
                 note="sglang_x: output throughput over real SGLang default (sglang_server) on the same requests, "
                      "its cells of the same run (the same code version and machine session: base_run same, n_base "
@@ -272,6 +273,9 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
                      "engine_x: the engine's system over the engine's sglang_default. rows_*: share of the plugin's "
                      "decode rows by path; plan_us: host time per planned decode step (prefix read + KV index list + "
                      "step plan + FlashInfer's plan calls), then by stage (make includes the dispatcher, dispatch); "
+                     "host_p50_us: median host time per replayed decode step (split or not), own_p50_us / own_p90_us: "
+                     "its plugin part (less SGLang's own rest-decode plan), from the cells' pooled histograms "
+                     "(a bin's upper edge, within 9%); "
                      "cascade_impl: the GPU path SGLang-Cascade ran inside SGLang (the engine's runs composed: "
                      "batch prefill + tensor-core decode + merge; multilevel: FlashInfer's MultiLevelCascadeAttentionWrapper, "
                      "slower in kernel and plan time); decode_plan: how the plugin re-planned FlashInfer's decode "
