@@ -30,7 +30,7 @@ def test_contract_options_exist():
     assert set(options("model")) >= {"llama3_8b", "qwen25_14b", "qwen25_32b", "tiny"}
     assert set(options("system")) >= {"sglang_default", "sglang_cascade", "hydragen", "granikv"}
     assert set(options("workload")) == {"synthetic", "sharegpt", "multiprefix"}
-    assert set(options("hardware")) == {"h200", "h100", "a100_40gb", "cpu"}
+    assert set(options("hardware")) == {"h200", "h100", "a100_40gb", "a100_40gb_on_h100", "cpu"}
     assert set(options("launcher")) == {"local", "slurm"}
     assert len(options("sweep")) >= 10
 
@@ -148,6 +148,16 @@ def test_a100_budgets_follow_the_arithmetic(hydra_ctx):
         per_tok = m.num_layers * (m.num_kv_heads // tp) * m.head_dim * 2 * 2
         rest = total * frac - params * 2 / gib / tp - 0.5
         assert hw.kv_budget_per_model[model] == int(rest * gib // per_tok)
+
+
+def test_the_a100_budget_on_an_h100_is_a100_40gbs_with_the_h100s_tables(hydra_ctx):
+    """a100_40gb_on_h100: the A100-40GB token budgets, everything else the H100 preset's (its GPU, tables, limits)."""
+    a100 = to_run_config(_compose(["hardware=a100_40gb"])).hardware
+    h100 = to_run_config(_compose(["hardware=h100"])).hardware
+    both = to_run_config(_compose(["hardware=a100_40gb_on_h100"])).hardware
+    assert both.kv_budget_per_model == a100.kv_budget_per_model and both.kv_budget_tokens is None
+    assert both.gpu_name == h100.gpu_name == "NVIDIA H100 80GB HBM3" and both.decision_table == h100.decision_table
+    assert both.plugin_graph_table == h100.plugin_graph_table and both.mem_fraction == h100.mem_fraction
 
 
 def test_unknown_option_names_the_group(hydra_ctx):

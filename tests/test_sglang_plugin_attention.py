@@ -240,6 +240,10 @@ def test_decision_table_source(tmp_path):
     assert load_hardware("auto", "Some Other GPU") is None                 # the paper's rule, said at start-up
     # a preset that only changes the KV budget takes its table through its Hydra defaults
     assert load_hardware("a100_40gb", "NVIDIA H200").decision_table == auto.decision_table
+    h100 = load_hardware("h100", "NVIDIA H100 80GB HBM3")      # the A100 budget on an H100: the H100's own rules
+    on_h100 = load_hardware("a100_40gb_on_h100", "NVIDIA H100 80GB HBM3")
+    assert on_h100.plugin_graph_table == h100.plugin_graph_table and on_h100.decision_table == h100.decision_table
+    assert on_h100.gpu_name == "NVIDIA H100 80GB HBM3" and on_h100.decision_table != auto.decision_table
     with pytest.raises(ValueError, match="GRANIKV_HARDWARE='nope'.*h200"):
         load_hardware("nope", "NVIDIA H200")
     (tmp_path / "t.yaml").write_text("name: t\ngpu_name: X\n")

@@ -55,7 +55,7 @@ FIGURES = (NAME,)
 COMMON = {"model.name": "=llama3_8b", "tp": "=1", "workload.batch": "=256", "instrumented": "=False"}
 SETS = {"headline": {"workload.kind": "=sharegpt", "workload.num_prefixes": "=1", "hardware.name": "=h200|h100"},
         "hetero k=4": {"workload.kind": "=multiprefix", "workload.prefix_lens": "=notnull",
-                       "workload.num_prefixes": "=4", "hardware.name": "=a100_40gb"}}
+                       "workload.num_prefixes": "=4", "hardware.name": "=a100_40gb|a100_40gb_on_h100"}}
 HEADLINE_LPS = (512, 2048, 8192, 16384)      # the Lp every in-SGLang system is planned at
 COLS = ["set", GPU, "workload.prefix_len", "system", "cascade_impl", "decode_plan", "decode_graphs", "n_sglang", "sglang_tok_s", "sglang_x", "n_base", "base_run", "n_engine", "engine_tok_s",
         "engine_x", "sglang_itl_p50_ms", "sglang_ttft_p50_ms", *[f"rows_{p}" for p in PATHS], "plan_us",
