@@ -28,7 +28,8 @@ def repo(tmp_path) -> Path:
 def _sweep(repo: Path, out: Path, split: str, ngpu: int, gate: bool = False) -> subprocess.CompletedProcess:
     env = {**os.environ, "GRANIKV_ENV_CPU_TEST": "1", "GRANIKV_SKIP_FUSED_CHECK": "1", "PYTHON": sys.executable,
            "OUT": str(out), "GRANIKV_GPU_SPLIT": split, "GRANIKV_NGPU": str(ngpu), "GRANIKV_BUDGET_S": "400",
-           "GRANIKV_PACK_RESERVE_S": "10", "GRANIKV_GIT_COMMIT": "0" * 40, "GRANIKV_GIT_DIRTY": "false"}
+           "GRANIKV_PACK_RESERVE_S": "10", "GRANIKV_GIT_COMMIT": "0" * 40, "GRANIKV_GIT_DIRTY": "false",
+           "GRANIKV_DONE_DIR": str(repo.parent / "done")}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     if gate:
         env.pop("GRANIKV_SKIP_FUSED_CHECK")
@@ -62,6 +63,12 @@ def test_split_runs_one_sweep_per_part_and_records_it(repo, tmp_path):
     again = _sweep(repo, tmp_path / "out2", "system=sglang_default|system=granikv", ngpu=2)
     assert again.returncode == 0 and "no cell written" in again.stdout
     assert "tok/s" not in again.stdout[again.stdout.index("== cells finished in this call =="):]
+    # the next call on the same warm machine gets the checkout without those cells: they are skipped all the
+    # same (their metrics.json kept outside the checkout), not measured twice
+    shutil.rmtree(repo / "results/raw/smoke")
+    third = _sweep(repo, tmp_path / "out3", "system=sglang_default|system=granikv", ngpu=2)
+    assert third.returncode == 0 and "2 cell(s) finished by an earlier call on this machine" in third.stdout
+    assert "no cell written" in third.stdout and not list((tmp_path / "out3").glob("raw.tar.gz.part-*"))
 
 
 def test_split_refuses_more_parts_than_gpus(repo, tmp_path):

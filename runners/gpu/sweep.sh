@@ -27,9 +27,10 @@
 # passed it at the same commit), GRANIKV_NO_FI_PACK=1 (a later script of the call packs the JIT cache),
 # GRANIKV_NGPU (the GPU count, for the CPU tests of this script only).
 # Here: `bash runners/gpu/unpack.sh <files_at>` in the repo root (it refuses to overwrite a committed
-# cell, and puts the JIT cache parts in place), then commit results/raw. Unpack BEFORE the next call,
-# even a chained one on the warm machine: each call sends this checkout again, which drops the cells
-# the last call wrote there, so cells not unpacked here are run again. Send the checkout with
+# cell, and puts the JIT cache parts in place), then commit results/raw. Each call sends this checkout
+# again, which drops the cells the last call wrote there: on a warm machine (a chained call) the cells
+# an earlier call finished are skipped all the same (their metrics.json kept in /tmp/granikv-done,
+# GRANIKV_DONE_DIR); on a bare one, cells not unpacked and sent back are run again. Send the checkout with
 # `bash runners/gpu/slim_tree.sh on` (the cells' metrics.json travel, so finished cells are skipped).
 # A sweep that must stay at one code version continues at its commit: runners/gpu/pin_commit.sh.
 #
@@ -97,6 +98,18 @@ fi
 if [ "$ENGINE" = sglang ] && [ -z "${GRANIKV_ENV_CPU_TEST:-}" ] && [ -z "${GRANIKV_SKIP_SGLANG_GATE:-}" ]; then
   sglang_gate || { echo "sglang gate" > "$OUT/.gate_failed"; exit 3; }
 fi
+# Cells an earlier call on this warm machine finished: each call sends the checkout again, without them unless
+# they were unpacked and sent back, so their metrics.json (kept in $DONE, outside the checkout) is put back where
+# a cell is missing: the sweep skips it instead of measuring it twice. Never packed again (older than $MARK).
+DONE=${GRANIKV_DONE_DIR:-/tmp/granikv-done}
+if [ -d "$DONE" ]; then
+  n=0
+  while IFS= read -r f; do
+    [ -e "results/raw/$f" ] && continue
+    mkdir -p "results/raw/$(dirname "$f")" && cp -p "$DONE/$f" "results/raw/$f" && n=$((n + 1))
+  done < <(cd "$DONE" && find . -name metrics.json -not -path '*/.*/*' | sed 's|^\./||')
+  [ "$n" -eq 0 ] || log "$n cell(s) finished by an earlier call on this machine: skipped ($DONE)"
+fi
 MARK=$(mktemp); touch "$MARK"; sleep 1
 LAUNCH="$PY -m runners.run"
 [ "$TP" -gt 1 ] && LAUNCH="$PY -m torch.distributed.run --standalone --nproc_per_node=$TP -m runners.run"
@@ -132,6 +145,10 @@ if [ -n "$CHANGED" ]; then
   while ls "$OUT/$RAW.tar.gz.part-"* >/dev/null 2>&1; do N=$((N + 1)); RAW=raw$N; done
   tar -czf - $CHANGED | split -b 14m - "$OUT/$RAW.tar.gz.part-"
   log "packed $(echo "$CHANGED" | wc -l) cell folders"
+  for c in $CHANGED; do   # remembered for a later call on this machine (above); a failed cell is not
+    [ -f "$c/metrics.json" ] || continue
+    mkdir -p "$DONE/${c#results/raw/}" && cp -p "$c/metrics.json" "$DONE/${c#results/raw/}/"
+  done
 else
   log "no cell written"
 fi
