@@ -148,7 +148,14 @@ def test_the_claim_line_names_both_systems_and_the_plugin_counters():
     line = sglang_lines.claim_line(results(rows), claim)
     assert "sglang_server_granikv against sglang_server" in line and "ITL p50 2.0 vs 2.5 ms" in line
     assert "100.0% dense" in line and "host plan 1000 us" in line and "not logged" in line
+    assert "host time per replayed step" not in line                        # no histogram recorded
     assert sglang_lines.claim_line(results(rows[:1]), claim) == ""          # no cell of the claim's system
+    from granikv.sglang_plugin.path_stats import host_bin
+    hist = {f"replay_hist.own.{host_bin(50.0)}": 8, f"replay_hist.own.{host_bin(900.0)}": 2,
+            f"replay_hist.total.{host_bin(700.0)}": 10}
+    rows[1] = cell(HET, "sglang_server_granikv", 8192, 5000, **counters, **hist)
+    line = sglang_lines.claim_line(results(rows), claim)
+    assert "the plugin's own 54 us median, 939 us p90; 724 us median with the rest decode's plan" in line
 
 
 def test_the_claim_line_names_the_cells_with_earlier_settings_it_leaves_out():

@@ -85,7 +85,8 @@ def explain(res: Results, ev: pd.DataFrame, c: pd.Series, cache: dict) -> list[s
             why = pl
         elif c["check"] in ("bound_ge", "bound_le") and (bl := bound_line(res, c)):
             cal = calibration_line(res, c) if "tables/dispatch_routing" in str(c["source"]) else ""
-            why = bl + (" " + cal if cal else "")
+            il = claim_line(res, c) if "tables/in_sglang" in str(c["source"]) else ""
+            why = " ".join(x for x in (bl, cal, il) if x)
         elif "tables/multiprefix" in str(c["source"]) and (sl := storage_line(res, c)):
             why = sl
         elif "tables/limitation" in str(c["source"]) and (sl := claim_steps_line(res, c)):

@@ -22,7 +22,7 @@ def prefilled_tokens(res: Results, path: str) -> float:
 def claim_line(res: Results, claim: pd.Series) -> str:
     """Why an in-SGLang claim lands where it does, from its own cells: the claim's system against its
     baseline system at the claim's point (ITL and TTFT p50, prompt tokens prefilled), and the plugin's
-    counters (dense-row share, host plan per planned step), and the cells of the claim's system that
+    counters (dense-row share, host plan per planned step, host time per replayed step where recorded), and the cells of the claim's system that
     ran with earlier plugin settings, which the claim does not use. Empty where a side has no cell."""
     sel, base = parse_selectors(claim["selectors"]), parse_selectors(claim["baseline"])
     every = with_derived(res.cells) if not res.cells.empty else res.cells
@@ -46,6 +46,9 @@ def claim_line(res: Results, claim: pd.Series) -> str:
     if np.isfinite(pc["plan_us"]):
         shares = ", ".join(f"{pc[f'rows_{p}']:.1%} {p}" for p in PATHS if pc[f"rows_{p}"] > 0)
         line += f"; the plugin's decode rows: {shares}, host plan {pc['plan_us']:.0f} us per planned step"
+    if np.isfinite(pc["own_p50_us"]):
+        line += (f"; host time per replayed step: the plugin's own {pc['own_p50_us']:.0f} us median, "
+                 f"{pc['own_p90_us']:.0f} us p90; {pc['host_p50_us']:.0f} us median with the rest decode's plan")
     older = select(every, {**sel, "instrumented": "=False"})
     older = older[~older.index.isin(mine.index)]
     if not older.empty:
