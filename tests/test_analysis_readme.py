@@ -152,3 +152,32 @@ def test_dispatch_share_is_the_claims_number_everywhere():
         said += [(d.name, x) for x in re.findall(r"`dispatch_overhead_share`[^|]*\| [^|]* \| ([0-9.]+) \|", text)]
     assert {n for n, _ in said} >= {"README.md", "findings.md", "claim_details.md"}, said
     assert all(x == share for _, x in said), (share, said)
+
+
+IN_SGLANG_SYSTEMS = {"GraniKV": "granikv", "SGLang-Cascade": "sglang_cascade", "HydraGen": "hydragen"}
+IN_SGLANG_COLUMNS = [("headline", "512"), ("headline", "2048"), ("headline", "8192"), ("headline", "16384"),
+                     ("hetero k=4", None)]
+
+
+def test_in_sglang_numbers_are_the_generated_ones():
+    """Every ratio of the README's in-SGLang table (system, GPU model, graph form, n) is a measured row of
+    in_sglang.csv with that key, and "not measured" is said exactly where no such row was measured."""
+    t = _table("in_sglang")
+    rows = _rows(_section("Baselines"), "system in SGLang")
+    assert rows
+    for row in rows:
+        name, key, values = row[0], row[1], row[2:]
+        gpu, graphs, n = [x.strip() for x in key.split(",", 2)]
+        sel = t[(t["system"] == IN_SGLANG_SYSTEMS[name]) & t["gpu"].str.contains(gpu)
+                & (t["decode_graphs"] == graphs)]
+        assert len(values) == len(IN_SGLANG_COLUMNS), row
+        for value, (kind, lp) in zip(values, IN_SGLANG_COLUMNS):
+            at = sel[(sel["set"] == kind) & ((sel["workload.prefix_len"] == lp) if lp else True)]
+            measured = at[at["status"] == "measured"]
+            if value == "not measured":
+                assert measured.empty, (row, kind, lp)
+                continue
+            assert value.rstrip("*") in set(measured["sglang_x"]), (row, kind, lp, list(measured["sglang_x"]))
+            if n.isdigit():
+                hit = measured[measured["sglang_x"] == value.rstrip("*")]
+                assert str(n) in set(hit["n_sglang"]), (row, kind, lp, list(hit["n_sglang"]))
