@@ -88,8 +88,13 @@ def test_claims_and_tally_match_the_regenerated_table():
     counts = ev["verdict"].value_counts()
     tally = ", ".join(f"{int(counts.get(v, 0))} {v}" for v in VERDICTS)
     assert f"Verdicts over {len(ev)} claims: **{tally}**" in _text()
-    rows = _rows(_section("Results at a glance"), "claim")
+    rows = _rows(_section("Results at a glance"), "claim | paper (A100) | ours (H200)")
     assert len(rows) >= 8
+    _check_claim_rows(rows, ev, full)
+
+
+def _check_claim_rows(rows: list[list[str]], ev: pd.DataFrame, full: pd.DataFrame) -> None:
+    """Each README row equals its claim's row of ``ev`` (one GPU model's rows of claims.csv)."""
     for name, paper, ours, unit, n, interval, verdict in rows:
         m = re.fullmatch(r"\[`(\w+)`\]\(results/tables/rerun\.md#(\w+)\)", name)
         assert m and m.group(1) == m.group(2), f"{name}: not a link to its rerun command"
@@ -100,10 +105,20 @@ def test_claims_and_tally_match_the_regenerated_table():
             (paper_value_shown(row), ours_compact(row), r["unit"], r["n"], r["interval"], r["verdict"]), cid
 
 
+def test_h100_claims_are_its_own_rows_every_one_shown():
+    """The README's H100 table: every claim evaluated on the H100 (claims.csv's H100 rows), each equal to its
+    row there, never to the H200's."""
+    ev = _table("claims")
+    h100 = ev[ev["gpu"].str.contains("H100")]
+    rows = _rows(_section("Results at a glance"), "claim | paper (A100) | ours (H100)")
+    assert sorted(re.search(r"#(\w+)\)", r[0]).group(1) for r in rows) == sorted(h100["id"])
+    _check_claim_rows(rows, h100, load_claims().set_index("id"))
+
+
 def test_main_claims_link_to_their_rerun_command():
     rr = _table("rerun")
     text = (TABLES / "rerun.md").read_text()
-    for (name, *_rest) in _rows(_section("Results at a glance"), "claim"):
+    for (name, *_rest) in _rows(_section("Results at a glance"), "claim | paper (A100) | ours (H200)"):
         cid = re.search(r"#(\w+)\)", name).group(1)
         assert f"\n## {cid}\n" in text, cid                     # the anchor the link names
         cmds = rr.loc[rr["claim"] == cid, "command"]
