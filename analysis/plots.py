@@ -366,7 +366,9 @@ def lines_vs(table: pd.DataFrame, name: str, out: Path, x: str, facet: list[str]
                 axes[r, c].axis("off")
                 axes[r, c].text(0.5, 0.5, f"{gname}: {lab.split('=', 1)[-1]}\n{NOT_MEASURED}", ha="center",
                                 va="center", fontsize=9, transform=axes[r, c].transAxes)
-    suptitle(fig, title_of(title, ", ".join(gpus) if len(gpus) > 1 else gpu, [lab.split("=", 1)[-1] for lab in labs]))
+    # the GPUs of the drawn rows (a per_gpu frame), not of every cell passed in: a GPU whose cells built no
+    # measured row is not drawn, so not named
+    suptitle(fig, title_of(title, ", ".join(gpus) if gpus else gpu, [lab.split("=", 1)[-1] for lab in labs]))
     fig.tight_layout()
     legend_below(fig, axes.flat, ncol=min(len(systems) + 2, 6))
     notes = ([_left_out_note(left_out).lstrip("; ")] if left_out else []) + (

@@ -69,6 +69,17 @@ def test_one_gpu_is_one_row_of_panels_named_in_the_title(tmp_path, monkeypatch):
     check_all(fig)
 
 
+def test_a_gpu_without_a_measured_row_is_neither_drawn_nor_named(tmp_path, monkeypatch):
+    # the H100's cells are of a system the headline table does not hold (real SGLang): no H100 row is built
+    other = [{**r, "system.name": "sglang_server"} for r in _cells(H100, systems=("sglang_default",))]
+    caught = catch(monkeypatch, plots)
+    headline.build(_res(_cells(H200) + other), tmp_path)
+    fig = caught.figs["headline_ratio"]
+    assert len([ax for ax in fig.axes if ax.axison]) == 2
+    assert H200 in fig._suptitle.get_text() and H100 not in fig._suptitle.get_text()
+    check_all(fig)
+
+
 def test_a_panel_names_the_systems_and_lp_it_lacks_and_a_missing_paper_value(tmp_path, monkeypatch):
     rows = _cells(H200, configs=(("llama3_8b", 1),), systems=("sglang_default", "sglang_cascade", "hydragen",
                                                               "granikv"))
