@@ -196,3 +196,12 @@ def test_in_sglang_numbers_are_the_generated_ones():
             if n.isdigit():
                 hit = measured[measured["sglang_x"] == value.rstrip("*")]
                 assert str(n) in set(hit["n_sglang"]), (row, kind, lp, list(hit["n_sglang"]))
+
+
+def test_claims_over_several_code_versions_are_counted_as_the_report_counts_them():
+    ev = _table("claims")
+    spans = ev[ev["code_versions"].str.contains(" versions: ") & (ev["verdict"] != "not measured")]
+    said = re.search(r"two or more commits of our code \((\d+) today", _text().replace("\n", " "))
+    assert said and int(said.group(1)) == len(spans)
+    report = (ROOT / "results" / "REPORT.md").read_text()
+    assert f"{len(spans)} of the claims above read cells measured at two or more commits" in report

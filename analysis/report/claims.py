@@ -86,6 +86,50 @@ def tally(ev: pd.DataFrame) -> str:
     return ", ".join(f"{int(counts.get(v, 0))} {v}" for v in VERDICTS)
 
 
+def versions_line(c: pd.Series) -> str:
+    """The versions of our code a claim's cells ran, counted (the commits are in tables/provenance), and what
+    several of them mean ("" when not recorded)."""
+    counted = str(c.get("code_versions_counted", "") or "")
+    if not counted:
+        return ""
+    if not bool(c.get("spans_versions", False)):
+        return "Code version: one commit."
+    return (f"Code versions: {counted} (tables/provenance). The number compares or pools cells of different code; a "
+            "rerun of every system it reads at one commit makes it one code's.")
+
+
+def _spans(ev: pd.DataFrame) -> pd.DataFrame:
+    if "spans_versions" not in ev.columns:
+        return ev.iloc[0:0]
+    return ev[ev["spans_versions"].fillna(False).astype(bool) & (ev["verdict"] != NOT_MEASURED)]
+
+
+def spanning(ev: pd.DataFrame) -> list[str]:
+    """REPORT lines: the claims whose cells span two or more versions of our code, counted (none: no line)."""
+    s = _spans(ev)
+    if s.empty:
+        return []
+    return ["", "## Claims over several code versions", "",
+            f"{len(s)} of the claims above read cells measured at two or more commits of our code (the engine or "
+            "the plugin; real SGLang's own cells aside): a ratio of two systems measured at different commits, or "
+            "repetitions of one system pooled across commits. Their verdicts stand as computed, but none of these "
+            "numbers is one code version's. The commits: [tables/provenance.md](tables/provenance.md).", "",
+            "| id | GPU | verdict | our code's commits |", "|---|---|---|---|"] + \
+        [f"| [`{anchor(c)}`](#{anchor(c).lower().replace(' ', '-')}) | {c['gpu']} | {c['verdict']} | "
+         f"{c['code_versions_counted']} |" for _, c in s.iterrows()]
+
+
+def spanning_commits(ev: pd.DataFrame) -> list[str]:
+    """tables/provenance.md lines: the same claims with the commits per system (none: no line)."""
+    s = _spans(ev)
+    if s.empty:
+        return []
+    return ["", "## Claims over several code versions", "",
+            "The commits of our code each claim's cells ran, per system (real SGLang's own cells aside).", "",
+            "| id | GPU | commits |", "|---|---|---|"] + \
+        [f"| {c['id']} | {c['gpu']} | {c['code_versions']} |" for _, c in s.iterrows()]
+
+
 def claim_section(c: pd.Series, why: list[str]) -> list[str]:
     """One claim in full (tables/claim_details.md): the claim, both numbers, repetitions and interval, the
     verdict with its margin, and ``why``, the explanations measured for it (:func:`explain`: nothing written for
@@ -108,6 +152,8 @@ def claim_section(c: pd.Series, why: list[str]) -> list[str]:
         v.append(f"Margin to the nearest threshold: {c['margin_shown']}.")
     if c.get("decider"):
         v.append(f"Deciding cells: {c['decider']}.")
+    if (ver := versions_line(c)):
+        v.append(ver)
     if v:
         L.append("- " + " ".join(v))
     L += [f"- {x}" for x in why]

@@ -19,7 +19,7 @@ from analysis.exhibits import chapter_lines
 from analysis.gpu import only_gpu
 from analysis.report.explain import explain
 from analysis.report.claims import (anchor, claim_brief, claim_section, close_calls, ours_compact, primary_rows,
-                                    short_claim, spread_kind, tally)
+                                    short_claim, spanning, spanning_commits, spread_kind, tally)
 from analysis.report.provenance import (budget_check, capture_check, code_versions, concurrency_check, hardware_summary,
                                         ignored_line, provenance_line)
 from analysis.verdict.context import Context
@@ -27,9 +27,10 @@ from analysis.verdict.evaluate import evaluate
 from analysis.verdict.rule import VERDICT_RULE
 
 
-def provenance_lines(res: Results, hw: list[str], shown_root: Path) -> list[str]:
+def provenance_lines(res: Results, hw: list[str], shown_root: Path, ev: pd.DataFrame) -> list[str]:
     """tables/provenance.md: hardware, host sharing, graph capture, set-aside repetitions, KV budgets, real
-    SGLang's versions, and the code version behind every cell."""
+    SGLang's versions, the code version behind every cell, and the commits of each claim whose cells span
+    several (``ev``: the evaluated claims)."""
     L = ["# Provenance", "",
          f"- Paper hardware: {PAPER_HARDWARE} (one host).",
          f"- Our hardware (provenance of the raw results): {'; '.join(hw) if hw else 'none (no finished cells)'}.",
@@ -47,7 +48,7 @@ def provenance_lines(res: Results, hw: list[str], shown_root: Path) -> list[str]
         if (Path(res.root) / "PROVENANCE_ERRATA.md").exists():
             L += ["", "Known provenance errors, with the evidence: "
                       f"`{shown_root / 'PROVENANCE_ERRATA.md'}`."]
-    return L
+    return L + spanning_commits(ev)
 
 
 def write_report(res: Results, out: Path, tables: list[str], figures: list[str]) -> pd.DataFrame:
@@ -86,6 +87,7 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
                  .replace("\n", " "))
     L += ["", "## Verdict rule", "", VERDICT_RULE]
     L += close_calls(ev)
+    L += spanning(ev)
     L += ["", "## Claim by claim", "",
           "Per claim: both numbers, the interval, the margin to the nearest threshold, the deciding cells and their "
           "folder under results/raw, and the explanation measured for it, cut to three numbers; *in full* is the "
@@ -119,7 +121,7 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
         for _, f in res.failures.iterrows():
             err = str(f["error"]).splitlines()[0][:160].replace("|", "/") if str(f["error"]) else ""
             L.append(f"| {f['sweep']} | {f['cell_id']} | {f['state']} | {err} |")
-    prov = provenance_lines(res, hw, shown_root)
+    prov = provenance_lines(res, hw, shown_root, ev)
     L += ["", "## Provenance", "",
           f"- Paper hardware: {PAPER_HARDWARE} (one host). Ours: {'; '.join(hw) if hw else 'none (no finished cells)'}.",
           *([f"- Repetitions set aside: {len(res.set_aside)} (analysis/clean.py; they stay in results/raw)."]
@@ -151,12 +153,13 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
     t = ev.assign(interval=[f"{r['spread_shown']} ({spread_kind(r)})" if spread_kind(r) else "-" for _, r in ev.iterrows()])
     cols = ["id", "gpu", "section", "model", "tp", "comparison", "paper_value", "paper_value_hi", "unit", "ours_shown",
             "n", "configs", "interval", "spread_from", "our_hardware", "verdict", "point_verdict", "margin_shown", "why",
-            "source"]
+            "code_versions", "source"]
     write_table(t[cols].rename(columns={"margin_shown": "margin_to_flip", "spread_from": "interval_from"}), "claims", out,
                 title="Claims: paper vs ours",
                 note="One row per claim on the primary GPU model, then a row per claim and other GPU model that "
                      "measured it (gpu). n: repetitions (the fewest behind one configuration; 0: not tracked by the statistic); configs: "
                      "configurations pooled; interval: where our number may lie given the run-to-run noise (reps: "
                      "min-max over repetitions; noise: n=1 widened by the sweep's run-to-run noise); point_verdict: the "
-                     "verdict without the noise. The rule: analysis/README.md, or the REPORT's Verdict rule.")
+                     "verdict without the noise; code_versions: the commits of our code its cells ran (per system where they are "
+                     "several). The rule: analysis/README.md, or the REPORT's Verdict rule.")
     return ev

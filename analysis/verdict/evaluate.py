@@ -26,6 +26,7 @@ from analysis.paper import CLAIMS_CSV, read_claims
 from analysis.verdict.context import Context
 from analysis.verdict.rule import INCONCLUSIVE, flip_points, is_missing, margin, point_verdict, spread_classes, verdict
 from analysis.verdict.statistics import STATISTICS
+from analysis.verdict.versions import Versions, claim_versions
 
 
 
@@ -89,7 +90,9 @@ def evaluate(res: Results, claims: pd.DataFrame | None = None) -> pd.DataFrame:
     obtained), ``between`` (the verdicts an inconclusive interval spans), ``why``, and how close the verdict
     is to flipping: ``flips_at`` (the nearest value of our number where it would change; NaN for
     qualitative claims), ``margin`` (the relative distance to it, or for a qualitative claim the step it
-    turns on), ``margin_shown``, ``margin_note`` and ``decider`` (the deciding cells)."""
+    turns on), ``margin_shown``, ``margin_note`` and ``decider`` (the deciding cells); ``code_versions`` / ``code_versions_counted`` / ``spans_versions``: the
+    versions of our code its cells ran (analysis.verdict.versions), with and without the commits, and whether they
+    are more than one."""
     claims = load_claims() if claims is None else claims
     first = primary_gpu(res)
     rows = _evaluate_on(only_gpu(res, first), claims, first, primary=True)
@@ -120,6 +123,8 @@ def _evaluate_on(res: Results, claims: pd.DataFrame, gpu: str, primary: bool) ->
             why += other_tp_note(ctx, c, sel, base)
         if v == NOT_MEASURED and "hardware.name" in sel and c["frame"] == "cells":
             why += other_hardware_note(ctx, c, sel, base)
+        ver = claim_versions(ctx.frame("cells"), sel, base) if c["frame"] == "cells" and v != NOT_MEASURED \
+            else Versions()
         at, rel = margin(o.value, flip_points(c["check"], number(c["paper_value"]), **kw))
         shown = _margin_shown(at, rel)
         if c["check"] == "true" and v != NOT_MEASURED and np.isfinite(o.margin):
@@ -132,7 +137,8 @@ def _evaluate_on(res: Results, claims: pd.DataFrame, gpu: str, primary: bool) ->
                      "spread_shown": _spread_shown(c, spread) if v != NOT_MEASURED else "",
                      "spread_from": o.spread_from if v != NOT_MEASURED else "", "between": between, "why": why,
                      "flips_at": at, "margin": rel, "margin_shown": shown, "margin_note": o.margin_note,
-                     "decider": o.decider})
+                     "decider": o.decider, "code_versions": ver.shown, "code_versions_counted": ver.counted,
+                     "spans_versions": ver.spans})
     return rows
 
 

@@ -1,0 +1,75 @@
+"""Which versions of the code under test a claim's cells were measured at.
+
+The code under test is ours: the engine's four systems and the plugin inside SGLang. Each cell records
+the commit it ran (``provenance.git_commit``, "+" when the tree had uncommitted changes). A claim whose
+selected cells, numerator and baseline together, span two or more commits compares or pools measurements
+of different code; the claims table and the REPORT name those versions (:func:`claim_versions`), so such a
+number is never read as one code's. Real SGLang's own cells (a baseline served by SGLang itself, not by our
+code) do not count: their version is SGLang's, recorded apart (``provenance.sglang``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from analysis.common import select
+
+SHORT = 7                 # characters of a commit shown
+LISTED = 3                # versions named before "and N more"
+REAL_SGLANG = "sglang_server"   # the system name of SGLang itself served (not our code)
+
+
+def code_version(cells: pd.DataFrame) -> pd.Series:
+    """Per cell: its short commit, "+" when measured with uncommitted changes, "unknown" without provenance."""
+    if cells.empty or "provenance.git_commit" not in cells.columns:
+        return pd.Series("unknown", index=cells.index, dtype=object)
+    commit = cells["provenance.git_commit"].astype(object).where(cells["provenance.git_commit"].notna(), "unknown")
+    dirty = cells["provenance.git_dirty"].astype(str).str.lower().eq("true") if "provenance.git_dirty" in cells.columns \
+        else pd.Series(False, index=cells.index)
+    return commit.astype(str).str[:SHORT] + dirty.map({True: "+", False: ""})
+
+
+def ours(cells: pd.DataFrame) -> pd.DataFrame:
+    """The cells of our code: every cell but real SGLang's own (system ``sglang_server``)."""
+    if cells.empty or "system.name" not in cells.columns:
+        return cells
+    return cells[cells["system.name"].astype(str) != REAL_SGLANG]
+
+
+@dataclass
+class Versions:
+    """A claim's code versions: ``shown`` (one version, or per system the versions its cells span),
+    ``counted`` (the same without the commits, for prose: "granikv 1 commit; sglang_default 2 commits") and
+    ``spans`` (True when the claim's cells of our code span two or more versions)."""
+
+    shown: str = ""
+    spans: bool = False
+    counted: str = ""
+
+
+def _listed(vs: list[str]) -> str:
+    head = ", ".join(vs[:LISTED])
+    return head + (f" and {len(vs) - LISTED} more" if len(vs) > LISTED else "")
+
+
+def claim_versions(frame: pd.DataFrame, sel: dict, base: dict) -> Versions:
+    """The code versions of the cells a claim selects (``sel``) and of its baseline's (``sel`` updated by
+    ``base``), our code only (:func:`ours`). Empty when no such cell has provenance."""
+    if frame.empty:
+        return Versions()
+    parts = [select(frame, sel)] + ([select(frame, {**sel, **base})] if base else [])
+    cells = ours(pd.concat(parts)) if parts else frame.iloc[0:0]
+    cells = cells[~cells.index.duplicated()] if not cells.empty else cells
+    if cells.empty:
+        return Versions()
+    v = code_version(cells)
+    every = sorted(set(v))
+    if len(every) == 1:
+        return Versions(every[0], False, "one commit")
+    system = cells["system.name"].astype(str) if "system.name" in cells.columns else pd.Series("?", index=cells.index)
+    names = sorted(set(system))
+    per = [f"{s} {_listed(sorted(set(v[system == s])))}" for s in names]
+    counts = [(s, len(set(v[system == s]))) for s in names]
+    counted = "; ".join(f"{s} {k} commit{'s' if k != 1 else ''}" for s, k in counts)
+    return Versions(f"{len(every)} versions: " + "; ".join(per), True, f"{len(every)} commits: {counted}")
