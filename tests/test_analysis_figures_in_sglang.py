@@ -41,3 +41,26 @@ def test_in_sglang_figure_keeps_the_rules(tmp_path, monkeypatch):
     for ax in fig.axes:                   # within a panel, no two series share a colour
         cols = [to_rgb(line.get_color()) for line in ax.get_lines() if not line.get_label().startswith("_")]
         assert len(cols) == len(set(cols)), ax.get_title()
+
+
+def test_a_second_gpu_gets_its_own_column_never_a_shared_panel(tmp_path, monkeypatch):
+    h200 = _table().assign(gpu="NVIDIA H200")
+    today = h200[(h200["set"] == "headline") & h200["decode_plan"].isin(["fast", ""])
+                 & h200["cascade_impl"].isin(["composed", ""])]
+    h100 = today.assign(gpu="NVIDIA H100 80GB HBM3", sglang_x=today["sglang_x"] * 1.2,
+                        sglang_tok_s=today["sglang_tok_s"] * 0.9)
+    caught = catch(monkeypatch, in_sglang)
+    in_sglang.draw(pd.concat([h200, h100], ignore_index=True), tmp_path)
+    fig = caught.figs["in_sglang"]
+    check_all(fig)
+    by = {ax.get_title(): ax for ax in fig.axes}
+    right = [ax for t, ax in by.items() if t.startswith("NVIDIA H100 80GB HBM3: ")]
+    assert len(right) == 2
+    ratio = by["NVIDIA H100 80GB HBM3: in SGLang, over its real SGLang default"]
+    assert shared_y([ratio, by["in SGLang, over real SGLang default"]])
+    assert shared_y([by["NVIDIA H100 80GB HBM3: output tok/s in SGLang"], by["output tok/s in SGLang"]])
+    assert series(ratio) == ["sglang_cascade", "granikv"]      # today's settings only; hydragen's is not today's
+    h200 = by["in SGLang, over real SGLang default"]
+    assert {line.get_marker() for line in h200.get_lines() if not line.get_label().startswith("_")} == {"o"}
+    assert {line.get_marker() for line in ratio.get_lines() if not line.get_label().startswith("_")} == {"D"}
+    assert "right column: today's plugin on NVIDIA H100 80GB HBM3" in fig._suptitle.get_text()

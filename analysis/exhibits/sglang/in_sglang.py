@@ -173,59 +173,73 @@ def _series(h: pd.DataFrame) -> tuple[list, list]:
     return sorted(main, key=lambda x: order.get(x[1], 99)), sorted(other, key=lambda x: order.get(x[1], 99))
 
 
-def _other_gpus_today(m: pd.DataFrame, gpu: str) -> list:
-    """The headline series of the plugin's systems with today's settings (VARIANTS) on GPU models other than
-    ``gpu``, as (label naming the GPU model, system, rows)."""
-    h = m[(m["set"] == "headline") & (gpu_names(m) != gpu) & (m["system"] != BASE)]
-    out = []
-    for name, g in h.groupby(gpu_names(h), sort=True):
-        out += [(f"{paper} on {name}", paper, r) for lab, paper, r in _series(g)[0] if is_current(r.iloc[0])]
-    return out
+def _other_gpu_today(m: pd.DataFrame, gpu: str) -> tuple[str | None, list]:
+    """The first GPU model other than ``gpu`` (analysis.gpu.ordered) with headline rows of the plugin's systems
+    at today's settings (VARIANTS), and its series: (label, system, rows), SGLang default's included."""
+    h = m[(m["set"] == "headline") & (gpu_names(m) != gpu)]
+    for name in ordered(gpu_names(h)):
+        series = [x for x in _series(h[gpu_names(h) == name])[0] if is_current(x[2].iloc[0])]
+        if any(paper != BASE for _, paper, _ in series):
+            return name, series
+    return None, []
 
 
 def draw(t: pd.DataFrame, out: Path) -> None:
     """Headline: output tok/s in SGLang and in the engine (one panel each, one y axis), each system over its
     own SGLang default in SGLang (today's plugin settings), in the engine, and in SGLang with other plugin
     settings (one y axis for the three); heterogeneous k=4 as horizontal bars (in SGLang / engine). One GPU
-    model's rows (analysis.gpu.one_gpu); the plugin with today's settings on another GPU model dotted beside its
-    ratios, the others named in the title."""
+    model's rows (analysis.gpu.one_gpu); where another GPU model ran the plugin with today's settings, a column of
+    its own on the right (its tok/s in SGLang, and each system over its own SGLang default, on the y axes of the
+    first GPU's panels: beside, never pooled); any further GPU model is named in the title."""
     m = t[t["status"] == "measured"]
     h, gpu, other_gpus = one_gpu(m[m["set"] == "headline"])
     if h.empty:
         placeholder_figure(NAME, out, "no in-SGLang plugin cells on the headline workload")
         return
+    second, drawn = _other_gpu_today(m, gpu)
     m = m[gpu_names(m) == gpu]
     col = system_colors(SYSTEMS)
-    fig, axes = plt.subplots(2, 3, figsize=(14, 8.2))
-    (a, e, c), (b, f, o) = axes
+    fig, axes = plt.subplots(2, 4 if second else 3, figsize=(18.5 if second else 14, 8.2))
+    (a, e, c, *d), (b, f, o, *g) = axes
     e.sharey(a)
     f.sharey(b)
     o.sharey(b)
     main, other = _series(h)
-    for lab, paper, g in main:
-        x = g["workload.prefix_len"].astype(int)
-        a.plot(x, g["sglang_tok_s"], marker="o", color=col[paper], label=lab)
-        e.plot(x, g["engine_tok_s"], marker="s", ls="--", color=col[paper], label=paper)
+    for lab, paper, rows in main:
+        x = rows["workload.prefix_len"].astype(int)
+        a.plot(x, rows["sglang_tok_s"], marker="o", color=col[paper], label=lab)
+        e.plot(x, rows["engine_tok_s"], marker="s", ls="--", color=col[paper], label=paper)
         if paper != BASE:
-            b.plot(x, g["sglang_x"], marker="o", color=col[paper], label=lab)
-            f.plot(x, g["engine_x"], marker="s", ls="--", color=col[paper], label=paper)
-    for lab, paper, g in other:
-        o.plot(g["workload.prefix_len"].astype(int), g["sglang_x"], marker="^", ls="-.", color=col[paper], label=lab)
-    drawn = _other_gpus_today(t[t["status"] == "measured"], gpu)
-    for lab, paper, g in drawn:     # each over its own GPU model's SGLang default: beside, never pooled
-        b.plot(g["workload.prefix_len"].astype(int), g["sglang_x"], marker="D", ls=":", color=col[paper], label=lab)
-    claim = paper_claims(["headline_llama8b_in_sglang"])
-    if len(claim) and np.isfinite(claim["value"].iloc[0]):
-        mark_paper(b, 16384, float(claim["value"].iloc[0]))
+            b.plot(x, rows["sglang_x"], marker="o", color=col[paper], label=lab)
+            f.plot(x, rows["engine_x"], marker="s", ls="--", color=col[paper], label=paper)
+    for lab, paper, rows in other:
+        o.plot(rows["workload.prefix_len"].astype(int), rows["sglang_x"], marker="^", ls="-.", color=col[paper],
+               label=lab)
     titles = {a: "output tok/s in SGLang", e: "output tok/s in the engine",
               b: "in SGLang, over real SGLang default", f: "in the engine, over the engine's sglang_default",
               o: "in SGLang, other plugin settings (in the table)"}
+    if second:
+        (d,), (g,) = d, g
+        d.sharey(a)
+        g.sharey(b)
+        for lab, paper, rows in drawn:     # each over its own GPU model's SGLang default
+            x = rows["workload.prefix_len"].astype(int)
+            d.plot(x, rows["sglang_tok_s"], marker="D", color=col[paper], label=lab)
+            if paper != BASE:
+                g.plot(x, rows["sglang_x"], marker="D", color=col[paper], label=lab)
+        titles[d] = f"{second}: output tok/s in SGLang"
+        titles[g] = f"{second}: in SGLang, over its real SGLang default"
+    claim = paper_claims(["headline_llama8b_in_sglang"])
+    if len(claim) and np.isfinite(claim["value"].iloc[0]):
+        for ax in [b] + ([g] if second else []):
+            mark_paper(ax, 16384, float(claim["value"].iloc[0]))
+    lps = pd.concat([h["workload.prefix_len"]] + [rows["workload.prefix_len"] for _, _, rows in drawn]).astype(int)
     for ax, tt in titles.items():
         ax.set_xlabel("shared prefix Lp (tokens)")
-        ax.set_ylabel("output tok/s" if ax in (a, e) else "output throughput / own SGLang default")
-        lp_axis(ax, h["workload.prefix_len"].astype(int))
+        ax.set_ylabel("output tok/s" if "tok/s" in tt else "output throughput / own SGLang default")
+        lp_axis(ax, lps)
         ax.set_title(tt, fontsize=9)
-        if ax in (b, f, o):
+        if "over" in tt or ax is o:
             ax.axhline(1.0, color="0.5", lw=0.8)
     if not other:
         o.text(0.5, 0.5, "no cells with other settings", ha="center", va="center", transform=o.transAxes)
@@ -244,17 +258,16 @@ def draw(t: pd.DataFrame, out: Path) -> None:
         c.axvline(1.0, color="0.5", lw=0.8)
         c.set_xlabel("output throughput / own SGLang default")
         c.set_title("heterogeneous k=4, A100-40GB KV budget", fontsize=9)
-    shown = sorted({gpu_names(g).iloc[0] for _, _, g in drawn})
-    also = (f" (dotted, lower left: today's plugin on {', '.join(shown)}, over its own SGLang default)" if shown else "") \
-        + (f" (also measured on {', '.join(g for g in other_gpus if g not in shown)}: in the table)"
-           if set(other_gpus) - set(shown) else "")
+    rest = [x for x in other_gpus if x != second]
+    also = (f" (right column: today's plugin on {second}, over its own SGLang default)" if second else "") \
+        + (f" (also measured on {', '.join(rest)}: in the table)" if rest else "")
     suptitle(fig, title_of("The four systems inside real SGLang (plugin) and in the engine, headline ShareGPT B=256",
                            gpu, ["Llama-3.1-8B TP=1"]) + also)
     fig.tight_layout(h_pad=2.0)
-    legend_below(fig, [a, b, o], (0.36, 0.0), ncol=4)
+    legend_below(fig, [a, b, o] + ([d, g] if second else []), (0.36, 0.0), ncol=4)
     if not k.empty:
         legend_below(fig, [c], (0.86, 0.0), ncol=1)
-    data = pd.concat([m] + [g for _, _, g in drawn])
+    data = pd.concat([m] + [rows for _, _, rows in drawn])
     save_figure(fig, NAME, out, data=data[["set", GPU, "workload.prefix_len", "system", *VARIANTS, "sglang_tok_s",
                                         "sglang_x", "engine_tok_s", "engine_x"]])
 
