@@ -94,14 +94,17 @@ def test_claims_and_tally_match_the_regenerated_table():
 
 
 def _check_claim_rows(rows: list[list[str]], ev: pd.DataFrame, full: pd.DataFrame) -> None:
-    """Each README row equals its claim's row of ``ev`` (one GPU model's rows of claims.csv)."""
+    """Each README row equals its claim's row of ``ev`` (one GPU model's rows of claims.csv); a verdict is marked
+    with a dagger exactly where the claim's cells span several commits of our code (code_versions)."""
     for name, paper, ours, unit, n, interval, verdict in rows:
         m = re.fullmatch(r"\[`(\w+)`\]\(results/tables/rerun\.md#(\w+)\)", name)
         assert m and m.group(1) == m.group(2), f"{name}: not a link to its rerun command"
         cid = m.group(1)
         r = ev[ev["id"] == cid].iloc[0]
         row = pd.Series({**full.loc[cid].to_dict(), **r.to_dict()})
-        assert (paper, ours, unit, n, interval, verdict) == \
+        spans = " versions: " in str(r.get("code_versions", ""))     # cells of several commits: marked with a dagger
+        assert verdict.endswith("†") == spans, (cid, verdict, r.get("code_versions"))
+        assert (paper, ours, unit, n, interval, verdict.rstrip("†")) == \
             (paper_value_shown(row), ours_compact(row), r["unit"], r["n"], r["interval"], r["verdict"]), cid
 
 
