@@ -279,18 +279,25 @@ def system_table(cells: pd.DataFrame, config_cols: list[str], sel: dict[str, str
     return sort_rows(out, keys)
 
 
+def code_version(cells: pd.DataFrame) -> pd.Series:
+    """Per cell, the code version it ran: its commit, short, with "+" when measured with uncommitted changes;
+    "unknown" without provenance."""
+    if cells.empty or "provenance.git_commit" not in cells.columns:
+        return pd.Series("unknown", index=cells.index, dtype=object)
+    commit = cells["provenance.git_commit"].astype(object).where(cells["provenance.git_commit"].notna(), "unknown")
+    dirty = cells["provenance.git_dirty"].astype(str).str.lower().eq("true") if "provenance.git_dirty" in cells.columns \
+        else pd.Series(False, index=cells.index)
+    return commit.astype(str).str[:7] + dirty.map({True: "+", False: ""})
+
+
 def code_versions(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
-    """Per ``keys``: ``code``, the code version its repetitions were measured at (the commit, short)
-    or "N versions" when they span several; "unknown" without provenance. A "+" marks a commit
-    measured with uncommitted changes."""
-    commit = "provenance.git_commit"
+    """Per ``keys``: ``code``, the code version its repetitions were measured at (:func:`code_version`)
+    or "N versions" when they span several; "unknown" without provenance."""
     k = df[keys].astype(object)
     d = k.where(k.notna(), NULL)
-    if commit not in df.columns:
+    if "provenance.git_commit" not in df.columns:
         return d.drop_duplicates().assign(code="unknown")
-    dirty = df["provenance.git_dirty"].astype(str).str.lower().eq("true") if "provenance.git_dirty" in df.columns \
-        else pd.Series(False, index=df.index)
-    d["_v"] = df[commit].astype(str).str[:7] + dirty.map({True: "+", False: ""})
+    d["_v"] = code_version(df)
     g = d.groupby(keys, dropna=False, sort=True)["_v"].agg(lambda v: v.iloc[0] if v.nunique() == 1
                                                            else f"{v.nunique()} versions")
     return g.rename("code").reset_index()

@@ -6,7 +6,8 @@ import pandas as pd
 
 from analysis.common import parse_selectors
 from analysis.report.claims import spanning, spanning_commits, versions_line
-from analysis.verdict.versions import claim_versions, code_version
+from analysis.common import code_version
+from analysis.verdict.versions import claim_versions
 
 A, B, C = "a" * 40, "b" * 40, "c" * 40
 

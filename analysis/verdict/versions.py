@@ -13,25 +13,15 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from analysis.common import select
+from analysis.common import code_version, select
+from analysis.measures.sglang import BASE, SYSTEMS
 
-SHORT = 7                 # characters of a commit shown
 LISTED = 3                # versions named before "and N more"
-REAL_SGLANG = "sglang_server"   # the system name of SGLang itself served (not our code)
-
-
-def code_version(cells: pd.DataFrame) -> pd.Series:
-    """Per cell: its short commit, "+" when measured with uncommitted changes, "unknown" without provenance."""
-    if cells.empty or "provenance.git_commit" not in cells.columns:
-        return pd.Series("unknown", index=cells.index, dtype=object)
-    commit = cells["provenance.git_commit"].astype(object).where(cells["provenance.git_commit"].notna(), "unknown")
-    dirty = cells["provenance.git_dirty"].astype(str).str.lower().eq("true") if "provenance.git_dirty" in cells.columns \
-        else pd.Series(False, index=cells.index)
-    return commit.astype(str).str[:SHORT] + dirty.map({True: "+", False: ""})
+REAL_SGLANG = SYSTEMS[BASE][0]   # SGLang itself served: its version is SGLang's, not our code's
 
 
 def ours(cells: pd.DataFrame) -> pd.DataFrame:
-    """The cells of our code: every cell but real SGLang's own (system ``sglang_server``)."""
+    """The cells of our code: every cell but real SGLang's own."""
     if cells.empty or "system.name" not in cells.columns:
         return cells
     return cells[cells["system.name"].astype(str) != REAL_SGLANG]
