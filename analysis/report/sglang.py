@@ -7,6 +7,7 @@ import pandas as pd
 
 from analysis.common import THROUGHPUT, parse_selectors, select, with_derived
 from analysis.load import Results, load_steps
+from analysis.measures.admission import with_held_back
 from analysis.measures.sglang import BASE, PATHS, SYSTEMS, plugin_counters, prefer_current, variant_keys
 
 
@@ -19,10 +20,27 @@ def prefilled_tokens(res: Results, path: str) -> float:
     return float(pd.to_numeric(s.loc[s["kind"] == "prefill", "new_token"], errors="coerce").sum())
 
 
+def held_back_clause(res: Results, mine: pd.DataFrame, theirs: pd.DataFrame, a: str, b: str) -> str:
+    """Where the claim's cells are one burst each: in how many cells of each side the server admitted a request
+    only after another had finished (analysis.measures.admission), and the makespan its tail added; "" elsewhere
+    or where neither side held one back."""
+    m, t = (with_held_back(df, res.root) for df in (mine, theirs))
+    if m["held_back"].isna().all() or t["held_back"].isna().all() or (m["held_back"].sum() + t["held_back"].sum()) == 0:
+        return ""
+
+    def side(df, name):
+        hit = df[df["held_back"] > 0]
+        tail = f" (+{hit['held_back_s'].mean():.2f} s of makespan each)" if len(hit) else ""
+        return f"{name} in {len(hit)} of {len(df)} cells{tail}"
+    return ("; a request admitted only after the rest of the burst had finished (the server's admission): "
+            f"{side(m, a)}, {side(t, b)}")
+
+
 def claim_line(res: Results, claim: pd.Series) -> str:
     """Why an in-SGLang claim lands where it does, from its own cells: the claim's system against its
     baseline system at the claim's point (ITL and TTFT p50, prompt tokens prefilled), and the plugin's
-    counters (dense-row share, host plan per planned step, host time per replayed step where recorded), and the cells of the claim's system that
+    counters (dense-row share, host plan per planned step, host time per replayed step where recorded), the requests a
+    burst's server held back (held_back_clause), and the cells of the claim's system that
     ran with earlier plugin settings, which the claim does not use. Empty where a side has no cell."""
     sel, base = parse_selectors(claim["selectors"]), parse_selectors(claim["baseline"])
     every = with_derived(res.cells) if not res.cells.empty else res.cells
@@ -49,6 +67,7 @@ def claim_line(res: Results, claim: pd.Series) -> str:
     if np.isfinite(pc["own_p50_us"]):
         line += (f"; host time per replayed step: the plugin's own {pc['own_p50_us']:.0f} us median, "
                  f"{pc['own_p90_us']:.0f} us p90; {pc['host_p50_us']:.0f} us median with the rest decode's plan")
+    line += held_back_clause(res, mine, theirs, a, b)
     older = select(every, {**sel, "instrumented": "=False"})
     older = older[~older.index.isin(mine.index)]
     if not older.empty:

@@ -18,7 +18,9 @@ baseline runs ``composed``), ``decode_plan`` (how the plugin re-planned FlashInf
 ``breakable``: the attention eager at graph breaks); a system has one row per combination it ran
 (VARIANTS), never pooled. ``n`` and output tok/s (repetition mean) in SGLang and in the engine, each over its own
 SGLang default (``sglang_x``: over real SGLang; ``engine_x``: over the engine's sglang_default), ITL
-and TTFT p50 in SGLang, and the plugin's own counters over the measured window: the share of decode
+and TTFT p50 in SGLang, the requests a burst's server held back (``held_back``, mean per cell, and ``held_back_s``, the
+seconds their tail added to the burst's makespan, mean per cell: analysis.measures.admission; NaN where the cells are
+not one burst), and the plugin's own counters over the measured window: the share of decode
 rows by path, and the host time per planned decode step, whole (``plan_us``: prefix read + KV index
 list + step plan + FlashInfer's plan calls) and by stage, and the median (and p90) host time per replayed decode
 step (``host_p50_us``; ``own_*``: less SGLang's own rest-decode plan). A counter the cell did not record (an
@@ -42,6 +44,7 @@ from analysis.common import (NOT_MEASURED, THROUGHPUT, aggregate, placeholder_fi
                              sort_rows, with_derived, write_table)
 from analysis.gpu import GPU, gpu_names, one_gpu, ordered, with_gpu
 from analysis.load import Results
+from analysis.measures.admission import COLUMNS as HELD, with_held_back
 from analysis.measures.sglang import (BASE, COMMIT, HOST_QUANTILES, PATHS, STAGES, SYSTEMS, VARIANTS, latest_version,
                                      plugin_counters, variant_keys, with_graph_form, without_ablations)
 from analysis.paper import paper_claims
@@ -58,7 +61,7 @@ SETS = {"headline": {"workload.kind": "=sharegpt", "workload.num_prefixes": "=1"
                        "workload.num_prefixes": "=4", "hardware.name": "=a100_40gb|a100_40gb_on_h100"}}
 HEADLINE_LPS = (512, 2048, 8192, 16384)      # the Lp every in-SGLang system is planned at
 COLS = ["set", GPU, "workload.prefix_len", "system", "cascade_impl", "decode_plan", "decode_graphs", "n_sglang", "sglang_tok_s", "sglang_x", "n_base", "base_run", "n_engine", "engine_tok_s",
-        "engine_x", "sglang_itl_p50_ms", "sglang_ttft_p50_ms", *[f"rows_{p}" for p in PATHS], "plan_us",
+        "engine_x", "sglang_itl_p50_ms", "sglang_ttft_p50_ms", *HELD, *[f"rows_{p}" for p in PATHS], "plan_us",
         *[f"{s}_us" for s in STAGES], *HOST_QUANTILES, "older_versions", "status"]
 
 
@@ -75,7 +78,7 @@ def in_sglang_table(res: Results) -> pd.DataFrame:
         cells = cells[cells["system.dispatch"].fillna("table") == "table"]
     rows = []
     for name, sel in SETS.items():
-        df = select(cells, {**COMMON, **sel}) if not cells.empty else cells
+        df = with_held_back(select(cells, {**COMMON, **sel}), res.root) if not cells.empty else cells
         for gpu in (ordered(df[GPU]) if not df.empty else [None]):
             rows += set_rows(name, df[df[GPU] == gpu] if gpu else df, gpu)
     t = pd.DataFrame(rows, columns=COLS)
@@ -110,6 +113,7 @@ def set_rows(name: str, df: pd.DataFrame, gpu: str | None) -> list[dict]:
                              "engine_tok_s": e_tok, "engine_x": e_tok / eng_base,
                              "sglang_itl_p50_ms": _mean(mine, in_sgl, "itl_p50_ms")[0] if n_s else np.nan,
                              "sglang_ttft_p50_ms": _mean(mine, in_sgl, "ttft_p50_ms")[0] if n_s else np.nan,
+                             **{c: float(mine[c].mean()) if n_s and c in mine.columns else np.nan for c in HELD},
                              **plugin_counters(mine), "older_versions": len(every) - len(mine),
                              "status": "measured" if n_s else NOT_MEASURED})
     return rows
@@ -277,13 +281,16 @@ def build(res: Results, out: Path, figures: bool = True) -> pd.DataFrame:
     """Write this module's table (and, unless ``figures`` is False, its figure); return the table."""
     t = in_sglang_table(res)
     write_table(t, NAME, out, {"sglang_tok_s": 0, "engine_tok_s": 0, "sglang_x": 2, "engine_x": 2,
-                               "sglang_itl_p50_ms": 1, "sglang_ttft_p50_ms": 0, **{f"rows_{p}": 2 for p in PATHS},
+                               "sglang_itl_p50_ms": 1, "sglang_ttft_p50_ms": 0, "held_back": 2, "held_back_s": 2,
+                               **{f"rows_{p}": 2 for p in PATHS},
                                "plan_us": 0, **{f"{s}_us": 0 for s in STAGES}, **{c: 0 for c in HOST_QUANTILES}},
                 title="The four systems inside real SGLang (granikv plugin) and in our engine, Llama-3.1-8B TP=1, B=256",
                 note="sglang_x: output throughput over real SGLang default (sglang_server) on the same requests, "
                      "its cells of the same run (the same code version and machine session: base_run same, n_base "
                      "cells) where the point has them, else every run's (pooled); "
-                     "engine_x: the engine's system over the engine's sglang_default. rows_*: share of the plugin's "
+                     "engine_x: the engine's system over the engine's sglang_default. held_back: requests of a burst "
+                     "admitted only after another request of it had finished (mean per cell), held_back_s: the seconds "
+                     "their tail added to the makespan (mean per cell; NaN: not a burst). rows_*: share of the plugin's "
                      "decode rows by path; plan_us: host time per planned decode step (prefix read + KV index list + "
                      "step plan + FlashInfer's plan calls), then by stage (make includes the dispatcher, dispatch); "
                      "host_p50_us: median host time per replayed decode step (split or not), own_p50_us / own_p90_us: "
