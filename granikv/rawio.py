@@ -178,13 +178,39 @@ def applicable_table(config: dict) -> dict:
     return {**config, "hardware": out}
 
 
-def _git(*args: str) -> str:
+REPO = Path(__file__).resolve().parents[1]
+# the files that run in a measurement: a commit named for a cell must hold these as the tree has them
+CODE_PATHS = ("granikv", "runners", "conf", "tests", "pyproject.toml")
+
+
+class ProvenanceError(RuntimeError):
+    """A cell's provenance would name a commit whose code is not the code that runs."""
+
+
+def _git_run(*args: str) -> tuple[int, str]:
     try:
-        root = Path(__file__).resolve().parents[1]
-        r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
-        return r.stdout.strip() if r.returncode == 0 else ""
+        r = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10)
+        return r.returncode, r.stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return ""
+        return -1, ""
+
+
+def _git(*args: str) -> str:
+    rc, out = _git_run(*args)
+    return out if rc == 0 else ""
+
+
+def code_check(commit: str) -> tuple[str, list[str]]:
+    """Whether the tree's code (CODE_PATHS) is ``commit``'s: ``("same", [])``, ``("differs", files)`` (the
+    tracked files that differ, at most 20), or ``("unverifiable", [])`` where git or the commit's object is
+    not here (the GPU host's copy of .git can predate the commit)."""
+    if not commit or commit == "unknown" or _git_run("cat-file", "-e", f"{commit}^{{commit}}")[0] != 0:
+        return "unverifiable", []
+    rc, out = _git_run("-c", "core.fileMode=false", "diff", "--name-only", commit, "--", *CODE_PATHS)
+    if rc != 0:
+        return "unverifiable", []
+    files = out.splitlines()
+    return ("differs", files[:20]) if files else ("same", [])
 
 
 def _cpu_model() -> str | None:
@@ -265,10 +291,21 @@ def provenance(cuda_probe: bool = True) -> dict:
     # tree). runners/gpu/*.sh pass GRANIKV_GIT_COMMIT / GRANIKV_GIT_DIRTY from the launching checkout.
     env_commit = os.environ.get("GRANIKV_GIT_COMMIT", "")
     head = _git("rev-parse", "HEAD")
+    check, differs = "unverifiable", []
     if env_commit and env_commit != "unknown":
         commit, source = env_commit, "GRANIKV_GIT_COMMIT"
         dirty = os.environ.get("GRANIKV_GIT_DIRTY", "unknown")
         dirty = {"true": True, "false": False}.get(str(dirty).lower(), dirty)
+        # the launcher's commit is checked against the code that runs wherever this copy's git holds it: a
+        # commit said clean whose code differs (e.g. the branch's head exported while the tree is pinned to
+        # an older commit) is refused, never recorded
+        check, differs = code_check(commit)
+        if check == "differs" and dirty is False:
+            raise ProvenanceError(
+                f"GRANIKV_GIT_COMMIT={commit[:12]} (GRANIKV_GIT_DIRTY=false) names a commit whose code differs from "
+                f"the tree that runs ({', '.join(differs[:5])}{', ...' if len(differs) > 5 else ''}): export both "
+                "with the line `bash runners/gpu/provenance_env.sh` prints in the launching checkout (after "
+                "`runners/gpu/pin_commit.sh on` when pinned), never from git on the GPU host")
     else:
         commit, source = head, "git" if head else "none"
         # untracked files count (a new, uncommitted module may have been imported); results/ does not
@@ -282,6 +319,9 @@ def provenance(cuda_probe: bool = True) -> dict:
         "git_dirty_files": os.environ.get("GRANIKV_GIT_DIRTY_FILES", "").split(",") if source == "GRANIKV_GIT_COMMIT"
         and os.environ.get("GRANIKV_GIT_DIRTY_FILES") else None,
         "git_head_seen": head or None,
+        # GRANIKV_GIT_COMMIT's commit against this tree's code (code_check): same / differs / unverifiable
+        "git_code_check": check if source == "GRANIKV_GIT_COMMIT" else None,
+        "git_code_differs": differs or None,
         "hostname": socket.gethostname(),
         "gpu_name": gpu_name,
         "gpu_count": gpu_count,

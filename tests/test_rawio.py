@@ -80,3 +80,54 @@ def test_provenance_records_a_shared_host(monkeypatch):
     monkeypatch.setenv("GRANIKV_CONCURRENT_SWEEPS", "two")
     with pytest.raises(ValueError, match="GRANIKV_CONCURRENT_SWEEPS='two'.*whole number"):
         rawio.provenance()
+
+
+def _repo(tmp_path):
+    """A git repository with one commit of granikv/x.py and runners/y.sh; returns (path, commit)."""
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+    (tmp_path / "granikv").mkdir()
+    (tmp_path / "runners").mkdir()
+    (tmp_path / "granikv" / "x.py").write_text("A = 1\n")
+    (tmp_path / "runners" / "y.sh").write_text("echo y\n")
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "c1"]):
+        subprocess.run(["git", "-C", str(tmp_path), *cmd], check=True, env=env, capture_output=True)
+    commit = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], check=True, env=env,
+                            capture_output=True, text=True).stdout.strip()
+    return tmp_path, commit
+
+
+def test_provenance_refuses_a_clean_commit_whose_code_is_not_the_trees(tmp_path, monkeypatch):
+    """GRANIKV_GIT_COMMIT said clean while the tree's code is another commit's (the branch's head exported while
+    the tree is pinned to an older commit): refused, never recorded; said dirty: recorded with the files."""
+    repo, commit = _repo(tmp_path)
+    monkeypatch.setattr(rawio, "REPO", repo)
+    monkeypatch.setenv("GRANIKV_GIT_COMMIT", commit)
+    monkeypatch.setenv("GRANIKV_GIT_DIRTY", "false")
+    assert rawio.code_check(commit) == ("same", [])
+    p = rawio.provenance()
+    assert p["git_code_check"] == "same" and p["git_code_differs"] is None
+    os.chmod(repo / "runners" / "y.sh", 0o755)            # a mode change alone (a copied tree) is not a difference
+    assert rawio.code_check(commit) == ("same", [])
+    (repo / "granikv" / "x.py").write_text("A = 2\n")
+    assert rawio.code_check(commit) == ("differs", ["granikv/x.py"])
+    with pytest.raises(rawio.ProvenanceError, match="granikv/x.py.*provenance_env.sh"):
+        rawio.provenance()
+    monkeypatch.setenv("GRANIKV_GIT_DIRTY", "true")
+    p = rawio.provenance()
+    assert p["git_code_check"] == "differs" and p["git_code_differs"] == ["granikv/x.py"] and p["git_dirty"] is True
+
+
+def test_provenance_code_check_unverifiable_without_the_commit(tmp_path, monkeypatch):
+    """A commit this copy's git does not hold (the GPU host's .git can predate it), or no git at all: recorded
+    as unverifiable, not refused."""
+    (tmp_path / "r").mkdir()
+    repo, _ = _repo(tmp_path / "r")
+    monkeypatch.setattr(rawio, "REPO", repo)
+    monkeypatch.setenv("GRANIKV_GIT_COMMIT", "b" * 40)
+    monkeypatch.setenv("GRANIKV_GIT_DIRTY", "false")
+    assert rawio.provenance()["git_code_check"] == "unverifiable"
+    monkeypatch.setattr(rawio, "REPO", tmp_path / "nowhere")
+    assert rawio.code_check("b" * 40) == ("unverifiable", [])
+    monkeypatch.delenv("GRANIKV_GIT_COMMIT")
+    assert rawio.provenance()["git_code_check"] is None      # git's own commit: its dirty flag says it

@@ -80,6 +80,12 @@ fi
 # before anything is measured (a cold JIT build of the fused ops takes a few minutes, once).
 # A failed gate stops every later sweep.sh of the same device call too, GRANIKV_SKIP_FUSED_CHECK or
 # not (stop 15 chained a second sweep after a failed gate and measured 13 cells that were discarded).
+# The commit every cell will name must be the code that runs (granikv.rawio.code_check: a commit said clean
+# whose code differs is refused): checked before anything is measured, so a wrong export costs seconds.
+if [ -z "${GRANIKV_ENV_CPU_TEST:-}" ] && [ ! -e "$OUT/.gate_failed" ]; then
+  $PY -c "import granikv.rawio as r; p = r.provenance(cuda_probe=False); print('provenance:', p['git_commit'][:12], 'dirty' if p['git_dirty'] else 'clean', p['git_code_check'])" \
+    || { echo "provenance refused" > "$OUT/.gate_failed"; log "ERROR: provenance refused (above): nothing measured"; exit 3; }
+fi
 if [ -e "$OUT/.gate_failed" ]; then
   log "ERROR: an earlier sweep.sh of this call failed the engine GPU gate ($(cat "$OUT/.gate_failed")): nothing measured"
   exit 3
