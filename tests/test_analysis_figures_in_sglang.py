@@ -64,3 +64,22 @@ def test_a_second_gpu_gets_its_own_column_never_a_shared_panel(tmp_path, monkeyp
     assert {line.get_marker() for line in h200.get_lines() if not line.get_label().startswith("_")} == {"o"}
     assert {line.get_marker() for line in ratio.get_lines() if not line.get_label().startswith("_")} == {"D"}
     assert "right column: today's plugin on NVIDIA H100 80GB HBM3" in fig._suptitle.get_text()
+
+
+def test_the_second_gpus_heterogeneous_rows_are_bars_named_with_it(tmp_path, monkeypatch):
+    """The right column's GPU model's heterogeneous k=4 rows at today's settings join the bar panel, over its own
+    SGLang default, each label ending with the GPU; its rows of earlier settings do not; labels never overlap."""
+    h200 = _table().assign(gpu="NVIDIA H200")
+    today = h200[h200["decode_plan"].isin(["fast", ""]) & h200["cascade_impl"].isin(["composed", ""])]
+    h100 = today.assign(gpu="NVIDIA H100 80GB HBM3", sglang_x=today["sglang_x"] * 1.2, engine_x=float("nan"))
+    old = h200[(h200["set"] == "hetero k=4") & (h200["decode_plan"] == "flashinfer")].assign(gpu="NVIDIA H100 80GB HBM3")
+    caught = catch(monkeypatch, in_sglang)
+    in_sglang.draw(pd.concat([h200, h100, old], ignore_index=True), tmp_path)
+    fig = caught.figs["in_sglang"]
+    check_all(fig)
+    bars = {ax.get_title(): ax for ax in fig.axes}["heterogeneous k=4, A100-40GB KV budget"]
+    labels = [t.get_text() for t in bars.get_yticklabels()]
+    named = [x for x in labels if x.endswith(", H100")]
+    assert sorted(x.split("\n")[0] for x in named) == ["granikv", "sglang_cascade"]   # hydragen: not today's plan
+    assert all("flashinfer" not in x for x in named)
+    assert len(labels) - len(named) == 5                  # the first GPU's five rows, every setting

@@ -191,7 +191,8 @@ def _other_gpu_today(m: pd.DataFrame, gpu: str) -> tuple[str | None, list]:
 def draw(t: pd.DataFrame, out: Path) -> None:
     """Headline: output tok/s in SGLang and in the engine (one panel each, one y axis), each system over its
     own SGLang default in SGLang (today's plugin settings), in the engine, and in SGLang with other plugin
-    settings (one y axis for the three); heterogeneous k=4 as horizontal bars (in SGLang / engine). One GPU
+    settings (one y axis for the three); heterogeneous k=4 as horizontal bars (in SGLang / engine; the right
+    column's GPU model's rows at today's settings among them, its name under their label). One GPU
     model's rows (analysis.gpu.one_gpu); where another GPU model ran the plugin with today's settings, a column of
     its own on the right (its tok/s in SGLang, and each system over its own SGLang default, on the y axes of the
     first GPU's panels: beside, never pooled); any further GPU model is named in the title."""
@@ -247,7 +248,13 @@ def draw(t: pd.DataFrame, out: Path) -> None:
             ax.axhline(1.0, color="0.5", lw=0.8)
     if not other:
         o.text(0.5, 0.5, "no cells with other settings", ha="center", va="center", transform=o.transAxes)
-    k = m[(m["set"] == "hetero k=4") & (m["system"] != BASE)].iloc[::-1]
+    k = m[(m["set"] == "hetero k=4") & (m["system"] != BASE)]
+    if second:      # the right column's GPU model: its heterogeneous rows at today's settings, over its own default
+        k2 = t[(t["status"] == "measured") & (t["set"] == "hetero k=4") & (t["system"] != BASE)
+               & (gpu_names(t) == second)]
+        k2 = k2[[is_current(r) for _, r in k2.iterrows()]]
+        k = pd.concat([k.assign(_gpu=""), k2.assign(_gpu=second.replace("NVIDIA ", "").split(" ")[0])])
+    k = k.assign(_gpu=k["_gpu"] if "_gpu" in k.columns else "").iloc[::-1]
     if k.empty:
         c.axis("off")
         c.text(0.5, 0.5, f"hetero k=4: {NOT_MEASURED}", ha="center", va="center")
@@ -257,8 +264,8 @@ def draw(t: pd.DataFrame, out: Path) -> None:
         c.barh(ys - 0.2, k["engine_x"], 0.4, color=[col[s] for s in k["system"]], alpha=0.45, hatch="//")
         for key in (dict(label="in SGLang"), dict(alpha=0.45, hatch="//", label="in the engine")):
             c.add_patch(plt.Rectangle((0, 0), 0, 0, facecolor="0.35", **key))   # legend keys (the colours: systems)
-        c.set_yticks(ys, [s + "".join(f"\n{v}" for v in var if v)
-                          for s, *var in k[["system", *VARIANTS]].itertuples(index=False)], fontsize=8)
+        c.set_yticks(ys, [s + "\n" + ", ".join(v for v in var if isinstance(v, str) and v)
+                          for s, *var in k[["system", *VARIANTS, "_gpu"]].itertuples(index=False)], fontsize=7)
         c.axvline(1.0, color="0.5", lw=0.8)
         c.set_xlabel("output throughput / own SGLang default")
         c.set_title("heterogeneous k=4, A100-40GB KV budget", fontsize=9)
