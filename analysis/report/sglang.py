@@ -20,27 +20,29 @@ def prefilled_tokens(res: Results, path: str) -> float:
     return float(pd.to_numeric(s.loc[s["kind"] == "prefill", "new_token"], errors="coerce").sum())
 
 
-def held_back_clause(res: Results, mine: pd.DataFrame, theirs: pd.DataFrame, a: str, b: str) -> str:
-    """Where the claim's cells are one burst each: in how many cells of each side the server admitted a request
-    only after another had finished (analysis.measures.admission), and the makespan its tail added; "" elsewhere
-    or where neither side held one back."""
+def held_back_sentence(res: Results, mine: pd.DataFrame, theirs: pd.DataFrame, a: str, b: str) -> str:
+    """Where the claim's cells are one burst each and a server held a request back (analysis.measures.admission):
+    one sentence, in how many cells of each side a request was admitted only after the rest of the burst had
+    finished, and the makespan its tail added on the claim's side (three numbers at most, so that the REPORT's
+    cut keeps it); "" elsewhere."""
     m, t = (with_held_back(df, res.root) for df in (mine, theirs))
     if m["held_back"].isna().all() or t["held_back"].isna().all() or (m["held_back"].sum() + t["held_back"].sum()) == 0:
         return ""
 
-    def side(df, name):
+    def side(df, name, seconds):
         hit = df[df["held_back"] > 0]
-        tail = f" (+{hit['held_back_s'].mean():.2f} s of makespan each)" if len(hit) else ""
-        return f"{name} in {len(hit)} of {len(df)} cells{tail}"
-    return ("; a request admitted only after the rest of the burst had finished (the server's admission): "
-            f"{side(m, a)}, {side(t, b)}")
+        k, n = len(hit), len(df)
+        said = f"every {name} cell" if k == n else f"no {name} cell" if k == 0 else f"{k} of {n} {name} cells"
+        return said + (f" (+{hit['held_back_s'].mean():.2f} s each)" if seconds and k else "")
+    return (f"A request held back until the rest of the burst had finished: {side(m, a, True)}; "
+            f"{side(t, b, False)}. ")
 
 
 def claim_line(res: Results, claim: pd.Series) -> str:
     """Why an in-SGLang claim lands where it does, from its own cells: the claim's system against its
     baseline system at the claim's point (ITL and TTFT p50, prompt tokens prefilled), and the plugin's
-    counters (dense-row share, host plan per planned step, host time per replayed step where recorded), the requests a
-    burst's server held back (held_back_clause), and the cells of the claim's system that
+    counters (dense-row share, host plan per planned step, host time per replayed step where recorded), first, where a
+    burst's server held a request back, that (held_back_sentence), and the cells of the claim's system that
     ran with earlier plugin settings, which the claim does not use. Empty where a side has no cell."""
     sel, base = parse_selectors(claim["selectors"]), parse_selectors(claim["baseline"])
     every = with_derived(res.cells) if not res.cells.empty else res.cells
@@ -67,7 +69,6 @@ def claim_line(res: Results, claim: pd.Series) -> str:
     if np.isfinite(pc["own_p50_us"]):
         line += (f"; host time per replayed step: the plugin's own {pc['own_p50_us']:.0f} us median, "
                  f"{pc['own_p90_us']:.0f} us p90; {pc['host_p50_us']:.0f} us median with the rest decode's plan")
-    line += held_back_clause(res, mine, theirs, a, b)
     older = select(every, {**sel, "instrumented": "=False"})
     older = older[~older.index.isin(mine.index)]
     if not older.empty:
@@ -77,4 +78,4 @@ def claim_line(res: Results, claim: pd.Series) -> str:
         said = [f"{', '.join(f'{k[7:]}={r[k]}' for k in keys if r[k] not in ('', None) and r[k] == r[k])}: "
                 f"{r[THROUGHPUT]:.0f} tok/s ({r[THROUGHPUT] / real:.2f}x)" for _, r in older.iterrows()]
         line += "; not used, measured with earlier plugin settings: " + "; ".join(said)
-    return line + " (tables/in_sglang)."
+    return held_back_sentence(res, mine, theirs, a, b) + line + " (tables/in_sglang)."

@@ -83,7 +83,7 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
         iv = f"{c['spread_shown']} ({kind})" if kind else "-"
         link = anchor(c).lower().replace(" ", "-")
         L.append(f"| [{anchor(c)}](#{link}) | {short_claim(c['claim'])} | {paper_value_shown(c)} | {ours_compact(c)} | "
-                 f"{c['gpu']} | {c['unit']} | {int(c['n']) if c['n'] else '-'} | {iv} | **{c['verdict']}** |"
+                 f"{str(c['gpu']).removeprefix('NVIDIA ')} | {c['unit']} | {int(c['n']) if c['n'] else '-'} | {iv} | **{c['verdict']}** |"
                  .replace("\n", " "))
     L += ["", "## Verdict rule", "", VERDICT_RULE]
     L += close_calls(ev)
