@@ -7,7 +7,9 @@ import pandas as pd
 from analysis.common import parse_selectors
 from analysis.report.claims import spanning, spanning_commits, versions_line
 from analysis.common import code_version
-from analysis.verdict.versions import claim_versions
+from analysis.load import Results
+from analysis.verdict.context import Context
+from analysis.verdict.versions import at_version, claim_versions, newest_first
 
 A, B, C = "a" * 40, "b" * 40, "c" * 40
 
@@ -56,16 +58,31 @@ def test_the_report_lists_spanning_claims_and_only_those_with_their_commits_unde
          "code_versions_counted": "one commit", "spans_versions": False},
         {"id": "two", "gpu": "NVIDIA H200", "verdict": "reproduced", "spans_versions": True,
          "code_versions": "2 versions: granikv aaaaaaa; sglang_default bbbbbbb",
-         "code_versions_counted": "2 commits: granikv 1 commit; sglang_default 1 commit"},
+         "code_versions_counted": "2 commits: granikv 1 commit; sglang_default 1 commit",
+         "one_version": "1.93 (reproduced) at bbbbbbb"},
         {"id": "gone", "gpu": "NVIDIA H200", "verdict": "not measured", "code_versions": "",
          "code_versions_counted": "", "spans_versions": True}])
     ev["primary"] = True
     lines = spanning(ev)
     rows = [x for x in lines if x.startswith("| [")]
-    assert len(rows) == 1 and "[`two`](#two)" in rows[0] and "sglang_default 1 commit" in rows[0]
+    assert len(rows) == 1 and "[`two`](#two)" in rows[0] and "| 2 commits |" in rows[0]
+    assert rows[0].endswith("| 1.93 (reproduced) |")                       # at one version, its commit left out
     assert "1 of the claims above" in " ".join(lines) and "bbbbbbb" not in " ".join(lines)   # no commit in prose
     prov = [x for x in spanning_commits(ev) if x.startswith("| two")]
     assert len(prov) == 1 and "bbbbbbb" in prov[0]
     assert spanning(ev.iloc[[0]]) == [] and spanning_commits(ev.iloc[[0]]) == []
     assert versions_line(ev.iloc[0]) == "Code version: one commit."
     assert versions_line(ev.iloc[1]).startswith("Code versions: 2 commits: granikv 1 commit")
+
+
+def test_versions_newest_first_and_one_version_keeps_real_sglang():
+    """A claim's versions, the one measured last first; a Context cut to one version holds that version's cells
+    of our code and real SGLang's own cells of any commit, nothing else."""
+    f = _cells([("granikv", 16384, A, False), ("sglang_default", 16384, B, False), ("granikv", 16384, B, False),
+                ("sglang_server", 16384, C, False)])
+    f["provenance.started_at"] = ["2026-01-03", "2026-01-01", "2026-01-02", "2026-01-04"]
+    assert newest_first(f, SEL, BASE) == ["aaaaaaa", "bbbbbbb"]      # real SGLang's commit is not ours
+    res = Results(root=".", cells=f, failures=pd.DataFrame(), kernels=pd.DataFrame())
+    cut = at_version(Context.over(res, f), "bbbbbbb")
+    assert sorted(cut.frame("cells")["system.name"]) == ["granikv", "sglang_default", "sglang_server"]
+    assert set(cut.frame("cells")["provenance.git_commit"]) == {B, C} and len(cut.res.cells) == 3

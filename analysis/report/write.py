@@ -153,7 +153,7 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
     t = ev.assign(interval=[f"{r['spread_shown']} ({spread_kind(r)})" if spread_kind(r) else "-" for _, r in ev.iterrows()])
     cols = ["id", "gpu", "section", "model", "tp", "comparison", "paper_value", "paper_value_hi", "unit", "ours_shown",
             "n", "configs", "interval", "spread_from", "our_hardware", "verdict", "point_verdict", "margin_shown", "why",
-            "code_versions", "source"]
+            "code_versions", "one_version", "source"]
     write_table(t[cols].rename(columns={"margin_shown": "margin_to_flip", "spread_from": "interval_from"}), "claims", out,
                 title="Claims: paper vs ours",
                 note="One row per claim on the primary GPU model, then a row per claim and other GPU model that "
@@ -161,5 +161,7 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
                      "configurations pooled; interval: where our number may lie given the run-to-run noise (reps: "
                      "min-max over repetitions; noise: n=1 widened by the sweep's run-to-run noise); point_verdict: the "
                      "verdict without the noise; code_versions: the commits of our code its cells ran (per system where they are "
-                     "several). The rule: analysis/README.md, or the REPORT's Verdict rule.")
+                     "several); one_version: where they are several, the claim measured again on the cells of the commit measured "
+                     "last that holds all of it (information; the verdict stands as computed). The rule: analysis/README.md, "
+                     "or the REPORT's Verdict rule.")
     return ev

@@ -45,6 +45,14 @@ class Context:
         self._frames: dict[str, pd.DataFrame] = {}
         self._derived: dict[str, pd.DataFrame] = {}
 
+    @classmethod
+    def over(cls, res: Results, cells: pd.DataFrame) -> "Context":
+        """A Context over ``res`` whose ``cells`` frame is ``cells``, already built (a subset of another
+        Context's, say); its other frames are built from ``res`` when asked for."""
+        ctx = cls(res)
+        ctx._frames["cells"] = cells
+        return ctx
+
     def frame(self, name: str) -> pd.DataFrame:
         if name not in self._frames:
             if name == "cells":  # serving cells without profiler / nsys instrumentation; the plugin's

@@ -26,7 +26,7 @@ from analysis.paper import CLAIMS_CSV, read_claims
 from analysis.verdict.context import Context
 from analysis.verdict.rule import INCONCLUSIVE, flip_points, is_missing, margin, point_verdict, spread_classes, verdict
 from analysis.verdict.statistics import STATISTICS
-from analysis.verdict.versions import Versions, claim_versions
+from analysis.verdict.versions import Versions, at_version, claim_versions, newest_first
 
 
 
@@ -92,7 +92,8 @@ def evaluate(res: Results, claims: pd.DataFrame | None = None) -> pd.DataFrame:
     qualitative claims), ``margin`` (the relative distance to it, or for a qualitative claim the step it
     turns on), ``margin_shown``, ``margin_note`` and ``decider`` (the deciding cells); ``code_versions`` / ``code_versions_counted`` / ``spans_versions``: the
     versions of our code its cells ran (analysis.verdict.versions), with and without the commits, and whether they
-    are more than one."""
+    are more than one; ``one_version``: for such a claim, its number and verdict on the cells of one version
+    alone (:func:`one_version`)."""
     claims = load_claims() if claims is None else claims
     first = primary_gpu(res)
     rows = _evaluate_on(only_gpu(res, first), claims, first, primary=True)
@@ -106,6 +107,7 @@ def _evaluate_on(res: Results, claims: pd.DataFrame, gpu: str, primary: bool) ->
     """The claims' rows measured in ``res`` (one GPU model's cells); off the primary GPU model, only the
     claims that select some of its cells."""
     ctx = Context(res)
+    per_version: dict[str, Context] = {}
     rows = []
     for _, c in claims.iterrows():
         sel, base = parse_selectors(c["selectors"]), parse_selectors(c["baseline"])
@@ -125,6 +127,7 @@ def _evaluate_on(res: Results, claims: pd.DataFrame, gpu: str, primary: bool) ->
             why += other_hardware_note(ctx, c, sel, base)
         ver = claim_versions(ctx.frame("cells"), sel, base) if c["frame"] == "cells" and v != NOT_MEASURED \
             else Versions()
+        one = one_version(ctx, per_version, c, sel, base, kw) if ver.spans else ""
         at, rel = margin(o.value, flip_points(c["check"], number(c["paper_value"]), **kw))
         shown = _margin_shown(at, rel)
         if c["check"] == "true" and v != NOT_MEASURED and np.isfinite(o.margin):
@@ -138,8 +141,23 @@ def _evaluate_on(res: Results, claims: pd.DataFrame, gpu: str, primary: bool) ->
                      "spread_from": o.spread_from if v != NOT_MEASURED else "", "between": between, "why": why,
                      "flips_at": at, "margin": rel, "margin_shown": shown, "margin_note": o.margin_note,
                      "decider": o.decider, "code_versions": ver.shown, "code_versions_counted": ver.counted,
-                     "spans_versions": ver.spans})
+                     "spans_versions": ver.spans, "one_version": one})
     return rows
+
+
+def one_version(ctx: Context, per_version: dict, c: pd.Series, sel: dict, base: dict, kw: dict) -> str:
+    """A claim whose cells span several versions of our code, measured again on the cells of one version alone
+    (with real SGLang's own), the version measured last that holds the whole claim: ``"<ours> (<verdict>) at
+    <version>"``, or ``"no one version holds it"``. Information beside the verdict, which stands as computed."""
+    for v in newest_first(ctx.frame("cells"), sel, base):
+        if v not in per_version:
+            per_version[v] = at_version(ctx, v)
+        o = STATISTICS[c["statistic"]](per_version[v], c, sel, base)
+        if is_missing(o.value):
+            continue
+        spread = None if is_missing(o.lo) or is_missing(o.hi) else (o.lo, o.hi)
+        return f"{o.shown} ({verdict(c['check'], number(c['paper_value']), o.value, spread=spread, **kw)}) at {v}"
+    return "no one version holds it"
 
 
 def _spread_shown(c: pd.Series, spread) -> str:

@@ -9,11 +9,12 @@ code) do not count: their version is SGLang's, recorded apart (``provenance.sgla
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pandas as pd
 
 from analysis.common import code_version, select
+from analysis.verdict.context import Context
 from analysis.measures.sglang import BASE, SYSTEMS
 
 LISTED = 3                # versions named before "and N more"
@@ -63,3 +64,33 @@ def claim_versions(frame: pd.DataFrame, sel: dict, base: dict) -> Versions:
     counts = [(s, len(set(v[system == s]))) for s in names]
     counted = "; ".join(f"{s} {k} commit{'s' if k != 1 else ''}" for s, k in counts)
     return Versions(f"{len(every)} versions: " + "; ".join(per), True, f"{len(every)} commits: {counted}")
+
+
+def newest_first(frame: pd.DataFrame, sel: dict, base: dict) -> list[str]:
+    """The code versions of a claim's cells of our code (as :func:`claim_versions` selects them), the one
+    measured last first (by each version's latest cell start, ``provenance.started_at``)."""
+    parts = [select(frame, sel)] + ([select(frame, {**sel, **base})] if base else [])
+    cells = ours(pd.concat(parts)) if not frame.empty else frame
+    if cells.empty:
+        return []
+    when = cells["provenance.started_at"].astype(str) if "provenance.started_at" in cells.columns \
+        else pd.Series("", index=cells.index)
+    last = when.groupby(code_version(cells)).max()
+    return sorted(last.index, key=lambda v: (last[v], v), reverse=True)
+
+
+def _ours_at(cells: pd.DataFrame, version: str) -> pd.Series:
+    """Per cell: of our code at ``version``, or real SGLang's own (whatever its commit)."""
+    keep = code_version(cells) == version
+    if "system.name" in cells.columns:
+        keep |= cells["system.name"].astype(str) == REAL_SGLANG
+    return keep
+
+
+def at_version(ctx: Context, version: str) -> Context:
+    """``ctx`` with only the cells of our code at ``version`` (:func:`analysis.common.code_version`) and real
+    SGLang's own cells: its cells frame cut (not built again), its Results' cells likewise (frames derived
+    from them, e.g. the Amdahl frame, are built from those)."""
+    res, cells = ctx.res, ctx.frame("cells")
+    sub = replace(res, cells=res.cells[_ours_at(res.cells, version)]) if not res.cells.empty else res
+    return Context.over(sub, cells[_ours_at(cells, version)] if not cells.empty else cells)
