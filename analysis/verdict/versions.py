@@ -44,14 +44,18 @@ def _listed(vs: list[str]) -> str:
     return head + (f" and {len(vs) - LISTED} more" if len(vs) > LISTED else "")
 
 
-def claim_versions(frame: pd.DataFrame, sel: dict, base: dict) -> Versions:
-    """The code versions of the cells a claim selects (``sel``) and of its baseline's (``sel`` updated by
-    ``base``), our code only (:func:`ours`). Empty when no such cell has provenance."""
+def claim_cells(frame: pd.DataFrame, sel: dict, base: dict) -> pd.DataFrame:
+    """The cells of our code (:func:`ours`) a claim selects (``sel``) and its baseline's (``sel`` updated by
+    ``base``), each once."""
     if frame.empty:
-        return Versions()
-    parts = [select(frame, sel)] + ([select(frame, {**sel, **base})] if base else [])
-    cells = ours(pd.concat(parts)) if parts else frame.iloc[0:0]
-    cells = cells[~cells.index.duplicated()] if not cells.empty else cells
+        return frame
+    cells = ours(pd.concat([select(frame, sel)] + ([select(frame, {**sel, **base})] if base else [])))
+    return cells[~cells.index.duplicated()] if not cells.empty else cells
+
+
+def claim_versions(frame: pd.DataFrame, sel: dict, base: dict) -> Versions:
+    """The code versions of a claim's cells (:func:`claim_cells`). Empty when no such cell has provenance."""
+    cells = claim_cells(frame, sel, base)
     if cells.empty:
         return Versions()
     v = code_version(cells)
@@ -67,10 +71,9 @@ def claim_versions(frame: pd.DataFrame, sel: dict, base: dict) -> Versions:
 
 
 def newest_first(frame: pd.DataFrame, sel: dict, base: dict) -> list[str]:
-    """The code versions of a claim's cells of our code (as :func:`claim_versions` selects them), the one
+    """The code versions of a claim's cells (:func:`claim_cells`), the one
     measured last first (by each version's latest cell start, ``provenance.started_at``)."""
-    parts = [select(frame, sel)] + ([select(frame, {**sel, **base})] if base else [])
-    cells = ours(pd.concat(parts)) if not frame.empty else frame
+    cells = claim_cells(frame, sel, base)
     if cells.empty:
         return []
     when = cells["provenance.started_at"].astype(str) if "provenance.started_at" in cells.columns \
