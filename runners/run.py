@@ -36,6 +36,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
@@ -449,6 +450,7 @@ def _sweep_temp_files(cell: Path) -> None:
 def run_cell_outcome(cfg: DictConfig | RunConfig, overrides: list[str], multirun: bool = False,
                      engine_factory: Callable[[RunConfig], object] = default_engine) -> tuple[Path, str]:
     """``run_cell``, and what it did with the cell: MEASURED, SKIPPED or FAILED."""
+    t_begin = time.monotonic()          # the cell's wall clock starts here: its phases go to metrics.json
     root = check_writable(str(cfg.results_dir))
     cell = root / safe_name(str(cfg.sweep_name)) / cell_id(overrides)
     try:
@@ -495,7 +497,7 @@ def run_cell_outcome(cfg: DictConfig | RunConfig, overrides: list[str], multirun
         shutil.rmtree(target)                # an earlier forced rerun that never completed: no result
     outcome = MEASURED
     try:
-        _measure(rc, target, config, requests, engine_factory, rank)
+        _measure(rc, target, config, requests, engine_factory, rank, t_begin)
         if forced and rank == 0:
             old = supersede(cell, target)
             print(f"[runners.run] the previous result of {cell.name} is kept in {old}")
@@ -532,8 +534,14 @@ def _fail(cell: Path, e: BaseException, config: dict, kind: str = "exception") -
 
 
 def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], engine_factory,
-             rank: int = 0) -> None:
-    """Serve the cell; rank 0 writes every file (metrics.json last), other TP ranks only serve."""
+             rank: int = 0, t_begin: float | None = None) -> None:
+    """Serve the cell; rank 0 writes every file (metrics.json last), other TP ranks only serve.
+
+    ``telemetry.cell_phases_s`` in metrics.json is where the cell's wall time went, from ``t_begin``
+    (the cell's first step, before its workload is built): ``setup`` (workload, checks, the engine or
+    server start), ``serve`` (the warm-up and the measured run), ``write`` (the traces written before
+    metrics.json)."""
+    t_begin = time.monotonic() if t_begin is None else t_begin
     from tqdm import tqdm
 
     from granikv.telemetry import ENV_GUARD, NvmlSampler, StepProfiler, nsys_path
@@ -545,6 +553,7 @@ def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], e
             (cell / stale).unlink(missing_ok=True)
         rawio.write_jsonl(cell / "workload.jsonl", workloads.trace_rows(requests))
     engine = engine_factory(rc)           # a server cell starts (or reuses) its server here
+    t_ready = time.monotonic()
     if lead:   # after the engine: a server cell's provenance names the server's version and arguments
         extra = engine.provenance() if callable(getattr(engine, "provenance", None)) else {}
         rawio.write_json(cell / "config.json", {**config, "provenance": {**rawio.provenance(cuda_probe=not server),
@@ -569,6 +578,7 @@ def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], e
         else:
             result = engine.run(requests, on_step=on_step)
         prof.finish()
+    t_served = time.monotonic()
     if not lead:
         return
     if callable(getattr(engine, "log_tail", None)):   # a server cell keeps the end of the server's log
@@ -584,7 +594,8 @@ def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], e
     rawio.write_jsonl(cell / "requests.jsonl", _request_rows(requests, result.records), compress=True)
     rawio.write_jsonl(cell / "steps.jsonl", result.steps, compress=True)
     m = metrics_mod.summarize(result.records, result.steps, result.stats)
-    telemetry = {**nvml.summary(), **prof.summary(),
+    phases = {"setup": t_ready - t_begin, "serve": t_served - t_ready, "write": time.monotonic() - t_served}
+    telemetry = {**nvml.summary(), **prof.summary(), "cell_phases_s": {k: round(v, 3) for k, v in phases.items()},
                  "nsys_note": ("captured (profile.nsys-rep)" if os.environ.get(ENV_GUARD)
                                else "nsys not on PATH; not captured" if rc.nsys and not nsys_path() else None)}
     rawio.write_json(cell / "metrics.json", {**_engine_stats(result.stats), **m, "telemetry": telemetry})
