@@ -497,7 +497,7 @@ def run_cell_outcome(cfg: DictConfig | RunConfig, overrides: list[str], multirun
         shutil.rmtree(target)                # an earlier forced rerun that never completed: no result
     outcome = MEASURED
     try:
-        _measure(rc, target, config, requests, engine_factory, rank, t_begin)
+        _measure(rc, target, config, requests, engine_factory, rank, (t_begin, time.monotonic()))
         if forced and rank == 0:
             old = supersede(cell, target)
             print(f"[runners.run] the previous result of {cell.name} is kept in {old}")
@@ -534,14 +534,14 @@ def _fail(cell: Path, e: BaseException, config: dict, kind: str = "exception") -
 
 
 def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], engine_factory,
-             rank: int = 0, t_begin: float | None = None) -> None:
+             rank: int = 0, t_cell: tuple[float, float] | None = None) -> None:
     """Serve the cell; rank 0 writes every file (metrics.json last), other TP ranks only serve.
 
-    ``telemetry.cell_phases_s`` in metrics.json is where the cell's wall time went, from ``t_begin``
-    (the cell's first step, before its workload is built): ``setup`` (workload, checks, the engine or
-    server start), ``serve`` (the warm-up and the measured run), ``write`` (the traces written before
-    metrics.json)."""
-    t_begin = time.monotonic() if t_begin is None else t_begin
+    ``telemetry.cell_phases_s`` in metrics.json is where the cell's wall time went; ``t_cell``: the cell's
+    first step (before its workload is built) and the start of this call. ``prepare`` (workload, checks,
+    TP init), ``engine`` (the engine built, or the server started or reused), ``serve`` (the warm-up and
+    the measured run), ``write`` (the traces written before metrics.json)."""
+    t_begin, t_called = (time.monotonic(),) * 2 if t_cell is None else t_cell
     from tqdm import tqdm
 
     from granikv.telemetry import ENV_GUARD, NvmlSampler, StepProfiler, nsys_path
@@ -594,7 +594,8 @@ def _measure(rc: RunConfig, cell: Path, config: dict, requests: list[Request], e
     rawio.write_jsonl(cell / "requests.jsonl", _request_rows(requests, result.records), compress=True)
     rawio.write_jsonl(cell / "steps.jsonl", result.steps, compress=True)
     m = metrics_mod.summarize(result.records, result.steps, result.stats)
-    phases = {"setup": t_ready - t_begin, "serve": t_served - t_ready, "write": time.monotonic() - t_served}
+    phases = {"prepare": t_called - t_begin, "engine": t_ready - t_called, "serve": t_served - t_ready,
+              "write": time.monotonic() - t_served}
     telemetry = {**nvml.summary(), **prof.summary(), "cell_phases_s": {k: round(v, 3) for k, v in phases.items()},
                  "nsys_note": ("captured (profile.nsys-rep)" if os.environ.get(ENV_GUARD)
                                else "nsys not on PATH; not captured" if rc.nsys and not nsys_path() else None)}

@@ -206,13 +206,13 @@ def test_warmup_requests_are_counted(tmp_path):
 
 # ---------------------------------------------------------------- telemetry
 def test_cell_records_where_its_wall_time_went(tmp_path):
-    """metrics.json names the cell's setup (engine start), serving and trace-writing seconds; serving covers
-    the engine's own measured duration."""
+    """metrics.json names the cell's seconds of preparing (workload), engine start, serving and trace writing;
+    serving covers the engine's own measured duration."""
     cell = run_cell(compose_cfg([*SMALL, f"results_dir={tmp_path}"]), [])
     m = rawio.read_json(cell / "metrics.json")
     ph = m["telemetry"]["cell_phases_s"]
-    assert set(ph) == {"setup", "serve", "write"} and all(v >= 0 for v in ph.values())
-    assert ph["setup"] > 0 and ph["serve"] >= m["duration_s"] - 1e-3
+    assert set(ph) == {"prepare", "engine", "serve", "write"} and all(v >= 0 for v in ph.values())
+    assert ph["prepare"] > 0 and ph["engine"] > 0 and ph["serve"] >= m["duration_s"] - 1e-3
 
 
 def test_profiler_window_writes_trace(tmp_path):
