@@ -57,6 +57,12 @@ if [ "$ENGINE" = sglang ]; then
 else
   gpu_env_setup || exit 2
   PACK_JIT=pack_fi_cache
+  # A real-SGLang server that an earlier call kept on this warm machine (sglang.sh sets GRANIKV_SGLANG_KEEP=1,
+  # runners.plugin_check included) holds most of the GPU's memory: the engine's gate and cells need it back
+  # (a gate after a kept plugin_check server ran out of memory in its memory tests).
+  if [ -z "${GRANIKV_ENV_CPU_TEST:-}" ] && [ -d "${GRANIKV_SGLANG_STATE:-/tmp/granikv-sglang}" ]; then
+    log "$($PY -m granikv.serving.server stop 2>&1 | tail -1) (an engine sweep needs the GPU's memory)"
+  fi
 fi
 PRESETS=(); EXTRA=()
 while [ $# -gt 0 ]; do
