@@ -83,6 +83,9 @@ def test_a_claim_without_cells_on_the_other_gpu_model_has_no_row_there(res):
     claims = read_claims()
     ev = evaluate(only_gpu(res, H100), claims[claims["id"] == "headline_qwen14b"])
     assert list(ev[GPU]) == [H100] and ev["verdict"].iloc[0] == "not measured"     # the primary row only
+    # selecting the H100's GraniKV cells is not enough: without SGLang-Cascade there, no number, no H100 row
+    ev = evaluate(res, claims[claims["id"] == "storage_layer_llama8b"])
+    assert list(zip(ev[GPU], ev["verdict"])) == [(PRIMARY_GPU, "not measured")]
 
 
 def test_the_headline_table_figures_draw_from_keeps_the_gpu_models_apart(res, tmp_path):

@@ -268,9 +268,11 @@ def test_close_calls_lists_only_near_flips():
          "margin": float("nan"), "check": "point", "paper_value": "1.0", "paper_value_hi": "", "unit": "x"},
     ])
     text = "\n".join(close_calls(ev))
-    assert "`near`" in text and "flips at 0.97, 1.1% away" in text and "fewest repetitions behind one: 1" in text
+    assert "`near`" in text and "flips at 0.97, 1.1% away" in text and "(1 configuration, n = 1)" in text
     assert "`far`" not in text and "`unmeasured`" not in text
     assert close_calls(ev[ev["id"] == "far"]) == []
+    other = ev.assign(primary=[False, True, True], gpu="NVIDIA H100 80GB HBM3")   # another GPU model's row: named so
+    assert "`near on NVIDIA H100 80GB HBM3`" in "\n".join(close_calls(other))
     mono = pd.DataFrame([{"id": "mono", "ours_shown": "not monotone: ...", "configs": 6, "n": 1, "verdict": NR,
                           "flips_at": float("nan"), "margin": 0.019, "margin_note": "largest dip 1.05@512 -> 1.03@1024",
                           "check": "true", "paper_value": "", "paper_value_hi": "", "unit": "bool"}])

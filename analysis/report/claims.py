@@ -21,17 +21,19 @@ def close_calls(ev: pd.DataFrame, close: float = CLOSE) -> list[str]:
         return []
     L = ["", f"## Close calls: within {close:.0%} of the value where the verdict flips", "",
          "Our number would change the verdict if it moved by less than this much; read these verdicts together "
-         "with the repetitions behind them (tables/coverage.md names the missing ones)."]
+         "with the repetitions behind them (each claim's section names its deciding cells; tables/coverage.md "
+         "the missing ones)."]
     for _, c in cc.iterrows():
         n, reps = int(c["configs"]), int(c["n"] or 0)
-        behind = f"{n} configuration{'s' if n != 1 else ''}" + (
-            f", the fewest repetitions behind one: {reps}" if reps else "")
+        behind = f"{n} configuration{'s' if n != 1 else ''}" + (f", n = {reps}" if reps else "")
         flip = (f"it flips at {c['flips_at']:.4g}, {c['margin']:.1%} away" if np.isfinite(float(c["flips_at"]))
                 else f"it turns on its {c['margin_note']} ({c['margin']:.1%})")
-        who = str(c.get("decider", "") or "")
-        L.append(f"- `{c['id']}`: ours {c['ours_shown']} ({behind}), **{c['verdict']}**; {flip} "
-                 f"(paper {paper_shown(c)}).{' Deciding cells: ' + who + '.' if who else ''}")
+        L.append(f"- `{anchor(c)}`: ours {c['ours_shown']} ({behind}), **{c['verdict']}**; {flip} "
+                 f"(paper {paper_shown(c)}).")
     return L
+
+
+ANOTHER_GPU = "same claim, this GPU"   # the claims table's text of another GPU model's row
 
 
 def short_claim(text: str) -> str:
@@ -201,6 +203,13 @@ def gist(text: str, budget: int = EXPLAINED) -> str:
     return framing + " ".join(kept)
 
 
+def has_section(c: pd.Series, why: list[str]) -> bool:
+    """Whether a claim row gets a section of the REPORT's own: every primary GPU model's row; another GPU model's
+    row where an explanation was measured for it (else the claims table's row says it all, and links to the
+    row in full in tables/claim_details.md)."""
+    return bool(c.get("primary", True)) or bool(why)
+
+
 def claim_brief(c: pd.Series, why: list[str], folders: list[str]) -> list[str]:
     """The REPORT's short section of one claim: both numbers, the interval, the margin, the deciding cells with
     their results/raw folders, and at most EXPLAINED numbers of ``why`` (:func:`explain`); the claim in full is in
@@ -219,4 +228,7 @@ def claim_brief(c: pd.Series, why: list[str], folders: list[str]) -> list[str]:
             + (f"; margin {c['margin_shown']}" if c.get("margin_shown") else "") + ".")
     where = ", ".join(f"`{f}/`" for f in folders[:3]) + (f" and {len(folders) - 3} more" if len(folders) > 3 else "")
     cells = f"Deciding cells: {c['decider'] or 'every cell of the claim'}" + (f", in {where}" if where else "")
-    return head + [text, "", f"- {cells}; from {c['source']}.", *[f"- {gist(x)}" for x in why], f"- More: {more}."]
+    if not bool(c.get("primary", True)):   # another GPU model's row: the primary row's section says the rest
+        return head + [text.replace(f" ({c['our_hardware']})", ""), "",
+                       f"- {f'Cells in {where}; ' if where else ''}{more}.", *[f"- {gist(x)}" for x in why]]
+    return head + [text, "", f"- {cells}; from {c['source']}; {more}.", *[f"- {gist(x)}" for x in why]]

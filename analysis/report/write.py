@@ -18,7 +18,7 @@ from analysis.paper import deciding_folders, paper_value_shown
 from analysis.exhibits import chapter_lines
 from analysis.gpu import only_gpu
 from analysis.report.explain import explain
-from analysis.report.claims import (anchor, claim_brief, claim_section, close_calls, ours_compact, primary_rows,
+from analysis.report.claims import (ANOTHER_GPU, anchor, claim_brief, has_section, claim_section, close_calls, ours_compact, primary_rows,
                                     short_claim, spanning, spanning_commits, spread_kind, tally)
 from analysis.report.provenance import (budget_check, capture_check, code_versions, concurrency_check, hardware_summary,
                                         ignored_line, provenance_line)
@@ -55,6 +55,16 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
     """Evaluate every claim and write ``out/REPORT.md`` and ``out/tables/claims.{csv,md}``."""
     ev = evaluate(res)
     hw = hardware_summary(res)
+    ctxs: dict = {}
+    caches: dict = {}
+    whys: dict = {}       # row index -> the explanations measured for it, from its own GPU model's cells alone
+    for i, c in ev.iterrows():
+        if c["gpu"] not in ctxs:
+            mine = only_gpu(res, c["gpu"])
+            ctxs[c["gpu"]] = (mine, Context(mine))
+        mine = ctxs[c["gpu"]][0]
+        whys[i] = explain(mine, ev[ev["gpu"] == c["gpu"]], c, caches.setdefault(c["gpu"], {})) \
+            if c["verdict"] != NOT_MEASURED else []
     n_fail = int((res.failures["state"] == "failed").sum()) if not res.failures.empty else 0
     n_part = int((res.failures["state"] == "partial").sum()) if not res.failures.empty else 0
     root = Path(res.root).resolve()
@@ -69,20 +79,22 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
          f"{ours_hw} (details under Provenance, at the end). Each claim's exact rerun command: tables/rerun.md.", "",
          "## Claims", "",
          f"Verdicts over {len(primary_rows(ev))} claims: **{tally(ev)}** (on {ev['gpu'].iloc[0] if len(ev) else '-'}; "
-         "a claim measured on another GPU model as well has a row of its own for it after these, never counted "
-         "here or pooled with them). *Exceeded* is counted apart from *reproduced*: a "
-         "number more than 25% beyond the paper's shows the effect, but not at the paper's size, so it does not "
-         "confirm the paper's number (the rule is below; each claim's section gives what we measured).", "",
-         f"n: repetitions (the fewest behind one configuration of the number; - where the statistic does not "
-         f"track them). interval: where our number may lie given the run-to-run noise (reps: min-max over the "
-         f"repetitions; noise: n=1 widened by the sweep's measured noise), the same unit as the number.", "",
+         "a claim measured on another GPU model too has its own row there, after these, never counted here or "
+         "pooled with them). *Exceeded* (more than 25% beyond the paper's number) is counted apart from "
+         "*reproduced*: it shows the effect, not at the paper's size (the rule is below).", "",
+         f"n: repetitions (the fewest behind one configuration; - where the statistic does not track them). "
+         f"interval: where our number may lie given the run-to-run noise (reps: min-max over the repetitions; "
+         f"noise: n=1 widened by the sweep's measured noise).", "",
          f"| id | claim | paper ({PAPER_HARDWARE}) | ours ({ours_hw}) | GPU | unit | n | interval | verdict |",
          "|---|---|---|---|---|---|---|---|---|"]
-    for _, c in ev.iterrows():
+    for i, c in ev.iterrows():
         kind = spread_kind(c)
         iv = f"{c['spread_shown']} ({kind})" if kind else "-"
-        link = anchor(c).lower().replace(" ", "-")
-        L.append(f"| [{anchor(c)}](#{link}) | {short_claim(c['claim'])} | {paper_value_shown(c)} | {ours_compact(c)} | "
+        link = "#" + anchor(c).lower().replace(" ", "-")
+        if not has_section(c, whys[i]):                 # another GPU model's row with nothing to explain: in full
+            link = "tables/claim_details.md" + link
+        text = short_claim(c["claim"]) if bool(c.get("primary", True)) else ANOTHER_GPU
+        L.append(f"| [{c['id']}]({link}) | {text} | {paper_value_shown(c)} | {ours_compact(c)} | "
                  f"{str(c['gpu']).removeprefix('NVIDIA ')} | {c['unit']} | {int(c['n']) if c['n'] else '-'} | {iv} | **{c['verdict']}** |"
                  .replace("\n", " "))
     L += ["", "## Verdict rule", "", VERDICT_RULE]
@@ -92,18 +104,13 @@ def write_report(res: Results, out: Path, tables: list[str], figures: list[str])
           "Per claim: both numbers, the interval, the margin to the nearest threshold, the deciding cells and their "
           "folder under results/raw, and the explanation measured for it, cut to three numbers; *in full* is the "
           "whole explanation (tables/claim_details.md), *rerun* the command of the deciding cells (tables/rerun.md)."]
-    caches: dict = {}
-    ctxs: dict = {}
     full = ["# Claim by claim, in full", "",
             "Each claim's own numbers and the explanations measured for it, whole (the REPORT carries them cut to "
             "three numbers); the tables and figures named under *from* hold the data."]
-    for _, c in ev.iterrows():      # each row explained from its own GPU model's cells
-        mine = only_gpu(res, c["gpu"])
-        ctx = ctxs.setdefault(c["gpu"], Context(mine))
-        why = explain(mine, ev[ev["gpu"] == c["gpu"]], c, caches.setdefault(c["gpu"], {})) \
-            if c["verdict"] != NOT_MEASURED else []
-        L += claim_brief(c, why, deciding_folders(ctx.frame(c["frame"]), c))
-        full += claim_section(c, why)
+    for i, c in ev.iterrows():      # each row explained from its own GPU model's cells
+        if has_section(c, whys[i]):
+            L += claim_brief(c, whys[i], deciding_folders(ctxs[c["gpu"]][1].frame(c["frame"]), c))
+        full += claim_section(c, whys[i])
     L += ["", "## Beyond the paper", "",
           "How far each system's decode step runs from the hardware limit, GraniKV's dense prefix kernel against the "
           "bf16 peak, and a dynamic HOT/COLD split where the static one loses to SGLang default, with the step "

@@ -80,8 +80,8 @@ def other_hardware_note(ctx: Context, c: pd.Series, sel: dict, base: dict) -> st
 
 def evaluate(res: Results, claims: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per claim and GPU model: each claim's row on the primary GPU model (analysis.gpu.primary_gpu,
-    measured or not) first, in claims.csv order, then its rows on every other GPU model whose cells it
-    selects; each measured in that GPU model's cells alone (analysis.gpu.only_gpu): no number, repetition or
+    measured or not) first, in claims.csv order, then its rows on every other GPU model whose cells give it
+    a number (a claim those cells cannot measure has no row there: tables/coverage names what is missing); each measured in that GPU model's cells alone (analysis.gpu.only_gpu): no number, repetition or
     noise pools two GPU models. Columns: the claim's columns plus ``gpu``, ``primary`` (the primary GPU
     model's row: the verdict counts are over these), ``ours``, ``ours_shown``, ``configs`` (configurations
     pooled), ``n`` (repetitions: the fewest behind one configuration; 0 = not tracked), ``our_hardware``,
@@ -105,7 +105,7 @@ def evaluate(res: Results, claims: pd.DataFrame | None = None) -> pd.DataFrame:
 
 def _evaluate_on(res: Results, claims: pd.DataFrame, gpu: str, primary: bool) -> list[dict]:
     """The claims' rows measured in ``res`` (one GPU model's cells); off the primary GPU model, only the
-    claims that select some of its cells."""
+    claims those cells measure."""
     ctx = Context(res)
     per_version: dict[str, Context] = {}
     rows = []
@@ -118,6 +118,8 @@ def _evaluate_on(res: Results, claims: pd.DataFrame, gpu: str, primary: bool) ->
         spread = None if is_missing(o.lo) or is_missing(o.hi) else (o.lo, o.hi)
         pv = point_verdict(c["check"], number(c["paper_value"]), o.value, **kw)
         v = verdict(c["check"], number(c["paper_value"]), o.value, spread=spread, **kw)
+        if not primary and v == NOT_MEASURED:
+            continue
         between = " / ".join(spread_classes(c["check"], number(c["paper_value"]), spread, **kw)) \
             if v == INCONCLUSIVE else ""
         why = o.why if v == NOT_MEASURED else ""

@@ -88,11 +88,27 @@ def claim_items(claim: pd.Series, planned: pd.DataFrame) -> list[str]:
     return [i for i in order if i in got]
 
 
-def claim_folders(claim: pd.Series, ctx) -> list[str]:
-    """Folders of results/raw whose cells (or kernel rows) the claim reads in ``ctx`` (a verdict Context)."""
+def on_gpu(planned: pd.DataFrame, gpu: str) -> pd.DataFrame:
+    """The planned cells that run on ``gpu``: their preset names that GPU model, or none (any GPU)."""
+    if planned.empty or "hardware.gpu_name" not in planned.columns:
+        return planned
+    name = planned["hardware.gpu_name"].fillna("").astype(str)
+    return planned[(name == gpu) | (name == "")]
+
+
+def claim_folders(claim: pd.Series, ctx, steps: bool = False) -> list[str]:
+    """Folders of results/raw whose cells (or kernel rows) the claim reads in ``ctx`` (a verdict Context); a
+    claim over decode-step rows names none (its sweeps are FRAME_SWEEPS') unless ``steps``: then the folders
+    whose cells served its systems."""
     frame = "cells" if claim["statistic"] == "amdahl_overshoot" else claim["frame"]
     if frame == "steps":
-        return []
+        if not steps:
+            return []
+        df = ctx.frame("steps")
+        if df.empty or "sweep" not in df.columns:
+            return []
+        sel = {k: v for k, v in parse_selectors(claim["selectors"]).items() if k.startswith("system")}
+        return sorted(set(_select_known(df, sel)["sweep"].dropna().astype(str)))
     df = ctx.frame(frame)
     if df.empty or "sweep" not in df.columns:
         return []
@@ -106,11 +122,13 @@ def claim_experiments(claim: pd.Series, ctx, planned: pd.DataFrame) -> list[str]
     model's Context): on the primary GPU model, the campaign items that plan its cells (:func:`claim_items`);
     on another, the items whose folders hold its cells there; then, on either, the bench folders outside the
     campaign that hold them."""
-    folders = claim_folders(claim, ctx)
     planned_sweeps = set(planned["sweep"]) if not planned.empty else set()
+    planned = on_gpu(planned, claim[GPU])     # an item of another GPU model's preset never measures this row
     if claim["primary"]:
+        folders = claim_folders(claim, ctx)
         items = claim_items(claim, planned)
     else:
+        folders = claim_folders(claim, ctx, steps=True)
         held = set(planned.loc[planned["sweep"].isin(folders), "item"]) if not planned.empty else set()
         items = [i for i in dict.fromkeys(planned["item"]) if i in held] if held else []
     return items + [f for f in folders if f not in planned_sweeps]
