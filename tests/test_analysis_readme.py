@@ -155,6 +155,15 @@ def test_engine_fidelity_numbers_are_the_generated_ones():
     for doc in (README, ROOT / "docs" / "real_sglang.md"):
         said = re.findall(r"within (\d+)% of real SGLang", doc.read_text().replace("\n", " "))
         assert said and all(int(x) == within for x in said), (doc.name, said, within)
+    # the H100's range, its own rows (the engine's sglang_default over real SGLang on that GPU)
+    h = _table("engine_fidelity")
+    h = h[(h["workload.kind"] == "sharegpt") & (h["status"] == "measured") & h["gpu"].str.contains("H100")]
+    pct = sorted(round((float(x) - 1) * 100, 1) for x in h["ours/real"])
+    for doc in (README, ROOT / "docs" / "findings.md"):
+        said = re.findall(r"(\d+\.\d)-(\d+\.\d)% above (?:it|real SGLang's) on the H100|on the H100, (\d+\.\d)-(\d+\.\d)% above",
+                          doc.read_text().replace("\n", " "))
+        assert said, doc.name
+        assert all([float(x) for x in m if x] == [pct[0], pct[-1]] for m in said), (doc.name, said, pct)
 
 
 def test_dispatch_share_is_the_claims_number_everywhere():
