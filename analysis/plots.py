@@ -12,6 +12,7 @@ import seaborn as sns
 from matplotlib.colors import LogNorm, Normalize
 
 from analysis.common import NOT_MEASURED, PAPER_HARDWARE, SHORT, placeholder_figure, plt, save_figure, show
+from analysis.gpu import PRIMARY_GPU
 
 sns.set_theme(style="whitegrid", context="paper")
 PAPER_STYLE = dict(marker="*", s=140, color="black", zorder=5, edgecolor="white", linewidth=0.6)
@@ -297,7 +298,8 @@ def lines_vs(table: pd.DataFrame, name: str, out: Path, x: str, facet: list[str]
     df = table[(table["status"] == "measured")]
     df = df[df[value].notna()] if value in df.columns else df.iloc[0:0]
     df = df[~df["system"].isin(skip_systems)] if not df.empty else df
-    gpus = sorted(df[GPU].astype(str).unique()) if GPU in df.columns and not df.empty else []
+    gpus = sorted(df[GPU].astype(str).unique(), key=lambda g: (g != PRIMARY_GPU, g)) \
+        if GPU in df.columns and not df.empty else []      # the primary GPU model's row of panels first
     rows = [(gname, df[df[GPU].astype(str) == gname]) for gname in gpus] if len(gpus) > 1 else [("", df)]
     panels = [(gname, lab, g) for gname, d in rows for lab, g in _facets(d, facet)]
     # a configuration measured at a single x is a point, not a curve: named below the figure, in the table

@@ -48,6 +48,7 @@ def test_headline_ratio_puts_each_gpu_beside_the_other_on_one_y_axis(tmp_path, m
     assert shared_y(axes)
     titles = [ax.get_title() for ax in axes]
     assert sum(H100 in x for x in titles) == 2 and sum(H200 in x for x in titles) == 2
+    assert all(H200 in x for x in titles[:2])                 # the primary GPU model's row first, the H100's below
     data = caught.data["headline_ratio"]
     h100 = data[data["panel"].str.startswith(H100)]
     assert len(h100) == 2 * len(LPS) and h100["ratio_vs_sglang_default"].max() == 2.0   # over the H100's own default
