@@ -4,6 +4,7 @@ heterogeneous k=4 bars labelled without overlap, legends at 8 pt below the panel
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 from matplotlib.colors import to_rgb
 
 from analysis.exhibits.sglang import in_sglang
@@ -59,10 +60,14 @@ def test_a_second_gpu_gets_its_own_column_never_a_shared_panel(tmp_path, monkeyp
     ratio = by["NVIDIA H100 80GB HBM3: in SGLang, over its real SGLang default"]
     assert shared_y([ratio, by["in SGLang, over real SGLang default"]])
     assert shared_y([by["NVIDIA H100 80GB HBM3: output tok/s in SGLang"], by["output tok/s in SGLang"]])
-    assert series(ratio) == ["sglang_cascade", "granikv"]      # today's settings only; hydragen's is not today's
+    # today's settings only (hydragen's is not today's), and the engine's GraniKV on that GPU model beside them
+    assert series(ratio) == ["sglang_cascade", "granikv", "granikv in the engine, H100"]
     h200 = by["in SGLang, over real SGLang default"]
     assert {line.get_marker() for line in h200.get_lines() if not line.get_label().startswith("_")} == {"o"}
-    assert {line.get_marker() for line in ratio.get_lines() if not line.get_label().startswith("_")} == {"D"}
+    assert [line.get_marker() for line in ratio.get_lines() if not line.get_label().startswith("_")] == ["D", "D", "s"]
+    engine = [line for line in ratio.get_lines() if line.get_label() == "granikv in the engine, H100"][0]
+    want = h100[h100["system"] == "granikv"].sort_values("workload.prefix_len")["engine_x"]
+    assert list(engine.get_ydata()) == pytest.approx(list(want)) and engine.get_linestyle() == "--"
     assert "right column: today's plugin on NVIDIA H100 80GB HBM3" in fig._suptitle.get_text()
 
 

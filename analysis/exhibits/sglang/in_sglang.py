@@ -194,7 +194,8 @@ def draw(t: pd.DataFrame, out: Path) -> None:
     settings (one y axis for the three); heterogeneous k=4 as horizontal bars (in SGLang / engine; the right
     column's GPU model's rows at today's settings among them, its name under their label). One GPU
     model's rows (analysis.gpu.one_gpu); where another GPU model ran the plugin with today's settings, a column of
-    its own on the right (its tok/s in SGLang, and each system over its own SGLang default, on the y axes of the
+    its own on the right (its tok/s in SGLang, and each system over its own SGLang default, with our engine's
+    GraniKV over the engine's sglang_default on that GPU model, dashed grey, where measured; on the y axes of the
     first GPU's panels: beside, never pooled); any further GPU model is named in the title."""
     m = t[t["status"] == "measured"]
     h, gpu, other_gpus = one_gpu(m[m["set"] == "headline"])
@@ -232,6 +233,10 @@ def draw(t: pd.DataFrame, out: Path) -> None:
             d.plot(x, rows["sglang_tok_s"], marker="D", color=col[paper], label=lab)
             if paper != BASE:
                 g.plot(x, rows["sglang_x"], marker="D", color=col[paper], label=lab)
+            if paper == "granikv" and rows["engine_x"].notna().any():   # the engine's own ratio on that GPU model
+                e_rows = rows[rows["engine_x"].notna()]
+                g.plot(e_rows["workload.prefix_len"].astype(int), e_rows["engine_x"], marker="s", ls="--", color="0.4",
+                       label=f"{paper} in the engine, {second.replace('NVIDIA ', '').split(' ')[0]}")
         titles[d] = f"{second}: output tok/s in SGLang"
         titles[g] = f"{second}: in SGLang, over its real SGLang default"
     claim = paper_claims(["headline_llama8b_in_sglang"])
