@@ -203,6 +203,7 @@ def draw(t: pd.DataFrame, out: Path) -> None:
         placeholder_figure(NAME, out, "no in-SGLang plugin cells on the headline workload")
         return
     second, drawn = _other_gpu_today(m, gpu)
+    short = second.replace("NVIDIA ", "").split(" ")[0] if second else ""   # "H100": the second GPU in labels
     m = m[gpu_names(m) == gpu]
     col = system_colors(SYSTEMS)
     fig, axes = plt.subplots(2, 4 if second else 3, figsize=(18.5 if second else 14, 8.2))
@@ -236,7 +237,7 @@ def draw(t: pd.DataFrame, out: Path) -> None:
             if paper == "granikv" and rows["engine_x"].notna().any():   # the engine's own ratio on that GPU model
                 e_rows = rows[rows["engine_x"].notna()]
                 g.plot(e_rows["workload.prefix_len"].astype(int), e_rows["engine_x"], marker="s", ls="--", color="0.4",
-                       label=f"{paper} in the engine, {second.replace('NVIDIA ', '').split(' ')[0]}")
+                       label=f"{paper} in the engine, {short}")
         titles[d] = f"{second}: output tok/s in SGLang"
         titles[g] = f"{second}: in SGLang, over its real SGLang default"
     claim = paper_claims(["headline_llama8b_in_sglang"])
@@ -258,7 +259,7 @@ def draw(t: pd.DataFrame, out: Path) -> None:
         k2 = t[(t["status"] == "measured") & (t["set"] == "hetero k=4") & (t["system"] != BASE)
                & (gpu_names(t) == second)]
         k2 = k2[[is_current(r) for _, r in k2.iterrows()]]
-        k = pd.concat([k.assign(_gpu=""), k2.assign(_gpu=second.replace("NVIDIA ", "").split(" ")[0])])
+        k = pd.concat([k.assign(_gpu=""), k2.assign(_gpu=short)])
     k = k.assign(_gpu=k["_gpu"] if "_gpu" in k.columns else "").iloc[::-1]
     if k.empty:
         c.axis("off")
