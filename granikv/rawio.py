@@ -368,6 +368,23 @@ def cell_state(cell_dir: str | Path) -> str:
     return "partial" if d.exists() else "absent"
 
 
+def refuse_other_gpu(root: str | Path, cell_ids: Iterable[str], gpu: str | None, where: str) -> None:
+    """Refuse to resume a sweep folder whose finished cells (among ``cell_ids``) ran on another GPU model than
+    ``gpu`` (``provenance.gpu_name``; None for a CPU run): their cell ids name no GPU, so resuming would skip
+    them as this GPU's cells, and a rerun would put two GPU models in one folder. ``where``: the tool's name,
+    for the error."""
+    mine = gpu or None
+    for cid in cell_ids:
+        d = Path(root) / cid
+        if cell_state(d) != "done" or not (d / "config.json").exists():
+            continue
+        theirs = (read_json(d / "config.json").get("provenance") or {}).get("gpu_name") or None
+        if theirs != mine:
+            raise ValueError(f"config error at `{where}.sweep_name`: {d} was measured on {theirs or 'a CPU'} and this "
+                             f"run is on {mine or 'a CPU'}; give this GPU model a folder of its own, e.g. "
+                             f"sweep_name={Path(root).name}_<gpu> (two GPU models' cells are never resumed as one)")
+
+
 def compress_cell(cell: str | Path) -> list[Path]:
     """Gzip every plain ``*.jsonl`` of a cell folder, losslessly: the ``.gz`` is written atomically,
     decompressed and compared byte for byte with the original, and only then is the original

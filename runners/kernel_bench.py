@@ -487,6 +487,8 @@ def run(spec: BenchSpec) -> dict:
     t_start = time.monotonic()
     root = Path(spec.results_dir) / spec.sweep_name
     cells = cell_list(spec)
+    gpu = torch.cuda.get_device_name(0) if spec.device == "cuda" else None
+    rawio.refuse_other_gpu(root, [cid for cid, _ in cells], gpu, "kernel_bench")   # a cell id names no GPU model
     todo = [(cid, c) for cid, c in cells if spec.force or rawio.cell_state(root / cid) != "done"]
     todo_ids = {cid for cid, _ in todo}
     report = {"done": [], "skipped": [c for c, _ in cells if c not in todo_ids], "failed": [], "left": []}

@@ -299,6 +299,8 @@ def run(spec: GemmFloorSpec) -> dict:
     t_start = time.monotonic()
     root = Path(spec.results_dir) / spec.sweep_name
     cells = cell_list(spec)
+    gpu = torch.cuda.get_device_name(0) if spec.device == "cuda" else None
+    rawio.refuse_other_gpu(root, [c[0] for c in cells], gpu, TOOL)   # a cell id names no GPU model
     todo = [c for c in cells if spec.force or rawio.cell_state(root / c[0]) != "done"]
     todo_ids = {c[0] for c in todo}
     report = {"done": [], "skipped": [c[0] for c in cells if c[0] not in todo_ids], "failed": [], "left": []}

@@ -55,6 +55,17 @@ def test_kernel_bench_cpu_cells(tmp_path):
     assert p2.returncode == 0 and "0 cells" in p2.stdout and "6 already done" in p2.stdout
 
 
+def test_kernel_bench_refuses_a_folder_of_another_gpu_model(tmp_path):
+    """A finished cell of another GPU model in the sweep folder: refused before anything runs (not skipped as
+    done), the error naming sweep_name."""
+    d = tmp_path / "kernel" / "t-lp16-b4-k1"
+    rawio.write_json(d / "config.json", {"provenance": {"gpu_name": "NVIDIA H200"}})
+    rawio.write_json(d / "metrics.json", {"cell_id": "t-lp16-b4-k1"})
+    p = _run(tmp_path, "prefix_lens=[16]", "num_prefixes=[1]", "layout=false", "dispatch_cost=false")
+    assert p.returncode != 0 and "config error at `kernel_bench.sweep_name`" in p.stderr + p.stdout
+    assert sorted(x.name for x in (tmp_path / "kernel").iterdir()) == ["t-lp16-b4-k1"]
+
+
 @pytest.mark.parametrize("bad,field", [("backends=[paged,fast]", "backends"), ("hardware=tpu", "hardware"),
                                        ("batches=[0]", "batches")])
 def test_kernel_bench_bad_input(tmp_path, bad, field):

@@ -364,6 +364,12 @@ def test_kernel_sh_gates_measures_and_packs_like_sweep_sh(repo, tmp_path):
     assert [r["backend"] for r in rows] == ["dense", "dense_cudnn"]
     again = run(tmp_path / "o3", "tests/test_ok.py", *args)                       # resumable: nothing new
     assert again.returncode == 0 and "no cell written" in again.stdout
+    env["GRANIKV_KERNEL_TOOL"] = "kernel_bench_gemm_floor"                       # the GEMM floor, packed the same way
+    p = run(tmp_path / "o4", "tests/test_ok.py", "sweep_name=gf", "models=[{model:tiny,tp:1}]", "batches=[1]")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    data = b"".join(x.read_bytes() for x in sorted((tmp_path / "o4").glob("raw.tar.gz.part-*")))
+    with tarfile.open(fileobj=__import__("io").BytesIO(data), mode="r:gz") as t:
+        assert "results/raw/gf/tiny-tp1-m1/metrics.json" in t.getnames()
 
 
 def test_jit_cache_is_restored_from_the_last_call_else_from_the_committed_seed(tmp_path):

@@ -97,3 +97,24 @@ def test_unknown_cell_and_gpu_preset_without_gpu(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"config error at `hardware`: hardware=h200 needs a CUDA GPU"):
             spec_of(tmp_path, "hardware=h200")
+
+
+def test_a_folder_of_another_gpu_model_is_not_resumed(tmp_path):
+    """A finished cell measured on another GPU model is neither skipped as this run's nor rerun beside it: the
+    run is refused before anything is measured, and the error names sweep_name."""
+    d = tmp_path / "gemm_floor_cpu" / "tiny-tp1-m1"
+    rawio.write_json(d / "config.json", {"provenance": {"gpu_name": "NVIDIA H200"}})
+    rawio.write_json(d / "metrics.json", {"cell_id": "tiny-tp1-m1", "step_ms": 1.0})
+    for force in ("force=false", "force=true"):
+        with pytest.raises(ValueError, match=r"config error at `kernel_bench_gemm_floor\.sweep_name`: .*NVIDIA H200"):
+            run(spec_of(tmp_path, force))
+    assert sorted(p.name for p in (tmp_path / "gemm_floor_cpu").iterdir()) == ["tiny-tp1-m1"]
+    assert run(spec_of(tmp_path, "sweep_name=gemm_floor_cpu_mine", "cells=[tiny-tp1-m1]"))["done"] == ["tiny-tp1-m1"]
+
+
+def test_every_gpu_preset_writes_a_folder_of_its_own():
+    """Two GPU presets sharing a sweep folder would meet the refusal above on their first run."""
+    from omegaconf import OmegaConf
+    presets = OmegaConf.load(ROOT / "conf" / "kernel_bench_gemm_floor.yaml")["presets"]
+    names = [p["sweep_name"] for p in presets.values()]
+    assert len(names) == len(set(names)) and {"h200", "h100"} <= set(presets)

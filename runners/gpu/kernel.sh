@@ -7,7 +7,9 @@
 #
 # Arguments: Hydra overrides of `python -m runners.kernel_bench hardware=h200` (give sweep_name=, so the
 # cells land in a sweep of their own; GRANIKV_KERNEL_HARDWARE picks another hardware option;
-# GRANIKV_KERNEL_TOOL=graph_step_bench runs runners.graph_step_bench instead, the same way). First the attention GPU tests of the kernels it may run
+# GRANIKV_KERNEL_TOOL=graph_step_bench runs runners.graph_step_bench instead, the same way, and
+# GRANIKV_KERNEL_TOOL=kernel_bench_gemm_floor the GEMM floor, e.g. GRANIKV_KERNEL_HARDWARE=h100 with sweep_name=gemm_floor_h100
+# 'models=[{model: llama3_8b, tp: 1}]' 'batches=[256]'). First the attention GPU tests of the kernels it may run
 # (GRANIKV_KERNEL_TESTS, default tests/test_attention_sdpa.py and the dense split test; log in
 # $OUT/kernel_tests.log): if they fail or skip, nothing is measured. Then kernel_bench with the
 # call's time budget (GRANIKV_BUDGET_S less GRANIKV_PACK_RESERVE_S, as sweep.sh); cells already
@@ -28,7 +30,8 @@ MARK=$(mktemp); touch "$MARK"; sleep 1
 T=$(left)
 HW=${GRANIKV_KERNEL_HARDWARE:-h200}
 TOOL=${GRANIKV_KERNEL_TOOL:-kernel_bench}
-case "$TOOL" in kernel_bench|graph_step_bench) ;; *) log "ERROR: GRANIKV_KERNEL_TOOL=$TOOL: kernel_bench | graph_step_bench"; exit 2;; esac
+case "$TOOL" in kernel_bench|graph_step_bench|kernel_bench_gemm_floor) ;;
+  *) log "ERROR: GRANIKV_KERNEL_TOOL=$TOOL: kernel_bench | graph_step_bench | kernel_bench_gemm_floor"; exit 2;; esac
 log "$TOOL hardware=$HW $* (budget ${T}s)"
 timeout "$T" $PY -m "runners.$TOOL" "hardware=$HW" time_budget_s=$((T - 30 > 30 ? T - 30 : 30)) "$@" \
   > "$OUT/kernel.log" 2>&1
