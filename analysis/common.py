@@ -58,10 +58,13 @@ GRID_CELLS = {"workload.kind": "=synthetic", "workload.num_prefixes": "=1"}
 # GPU vendor datasheet peaks (dense, no sparsity), used where the cell's hardware preset leaves
 # peak_tflops / peak_tbps unset (0.0). Not measurements.
 #   NVIDIA H200 SXM (H200 datasheet): 989 TFLOP/s BF16 dense tensor core (1,979 with sparsity), 4.8 TB/s HBM3e.
+#   NVIDIA H100 SXM 80GB (H100 datasheet): 989 TFLOP/s BF16 dense tensor core (1,979 with sparsity), 3.35 TB/s HBM3.
 #   NVIDIA A100 SXM4 40GB (A100 datasheet): 312 TFLOP/s BF16 dense tensor core, 1,555 GB/s HBM2.
 H200_PEAK_TFLOPS, H200_PEAK_TBPS = 989.0, 4.8
+H100_PEAK_TFLOPS, H100_PEAK_TBPS = 989.0, 3.35
 A100_40GB_PEAK_TFLOPS, A100_40GB_PEAK_TBPS = 312.0, 1.555
 VENDOR_PEAKS = {"NVIDIA H200": (H200_PEAK_TFLOPS, H200_PEAK_TBPS),
+                "NVIDIA H100 80GB HBM3": (H100_PEAK_TFLOPS, H100_PEAK_TBPS),
                 "NVIDIA A100-SXM4-40GB": (A100_40GB_PEAK_TFLOPS, A100_40GB_PEAK_TBPS)}
 
 

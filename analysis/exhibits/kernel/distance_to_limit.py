@@ -25,7 +25,7 @@ Per row (table headline | grid, config, Lp, B, system, GPU; repetitions averaged
   requests (workload.jsonl: prompt length p_r, shared prefix length Lp_r, output length o_r; the
   decode step that produces token j of a request reads p_r + j - 1 KV rows, j = 2..o_r). PEAK and BW
   are the cell's ``hardware.peak_tflops`` / ``peak_tbps`` when set (> 0), else the GPU vendor's
-  datasheet values in ``VENDOR_PEAKS`` (H200 SXM: 989 TFLOP/s dense bf16, 4.8 TB/s HBM3e).
+  datasheet values in ``VENDOR_PEAKS`` (H200 SXM: 989 TFLOP/s dense bf16, 4.8 TB/s HBM3e; H100 SXM: 3.35 TB/s HBM3).
   ``attn_bound`` says which of the two terms is larger. It is a model of the hardware, not a
   measurement; Q / O traffic and the all-reduce of TP > 1 are not in it.
 - ``limit_ms = gemm_floor_ms + attn_roofline_ms`` and ``multiple = step_ms / limit_ms`` (1 = at the limit).
@@ -151,7 +151,7 @@ NOTE = ("step_ms: p50 full-batch decode step (batch >= 90% of B, steps.jsonl; re
         "L x max(bytes_kv / BW, flops / PEAK) per TP rank, bytes_kv = 2 (K,V) x (Lp + B x s) x Hkv/tp x D x 2 B "
         "(the shared prefix read once plus every request's own suffix), flops = 4 x Hq/tp x D x B x (Lp + s), "
         "s = suffix_kv_mean (decode-token-weighted mean suffix KV length of the cell's requests); PEAK / BW: "
-        "hardware.peak_* when set, else the vendor's datasheet (H200 SXM: 989 TFLOP/s dense bf16, 4.8 TB/s); "
+        "hardware.peak_* when set, else the vendor's datasheet (H200 SXM: 989 TFLOP/s dense bf16, 4.8 TB/s; H100 SXM: 989, 3.35 TB/s); "
         "all-reduce and Q/O traffic not included. prof_*: ms per decode step from a torch.profiler trace of the "
         "same configuration (an instrumented run; prefix/suffix split only where the trace marks prefix_attention), "
         "prof_host_gap_ms: step period minus GPU busy time.")
