@@ -132,6 +132,18 @@ def test_no_usable_gemm_floor_says_not_measured(tmp_path, floor):
     assert float(row["attn_roofline_ms"]) > 0
 
 
+def test_a_missing_floor_names_the_command_of_the_cells_own_gpu(tmp_path):
+    """An H100 cell without its floor: the row says which command measures it there (hardware=h100), the H200's
+    floor of the same shape not taken."""
+    d = serving_cell(tmp_path / "raw", gpu="NVIDIA H100 80GB HBM3")
+    cfg = rawio.read_json(d / "config.json")
+    rawio.write_json(d / "config.json", {**cfg, "hardware": {**cfg["hardware"], "name": "h100"}})
+    floor_cell(tmp_path / "raw")                      # the H200's
+    row = table(tmp_path / "raw", tmp_path / "out").loc["granikv"]
+    assert row["gemm_floor_ms"] == "not measured"
+    assert "on NVIDIA H100 80GB HBM3 (python -m runners.kernel_bench_gemm_floor hardware=h100)" in row["status"]
+
+
 def test_expected_rows_without_cells_say_not_measured(tmp_path):
     (tmp_path / "raw").mkdir()
     D.build(load_results(tmp_path / "raw"), tmp_path / "out", figures=False)

@@ -259,7 +259,8 @@ def cell_row(res: Results, c: pd.Series, floors: pd.DataFrame) -> dict:
     if not f.empty:
         out["gemm_floor_ms"] = float(f["gemm_floor_ms"].iloc[0])
     elif out["why"] is None:
-        out["why"] = f"no gemm_floor cell {c['model.name']}-tp{tp}-m{b} on {gpu or 'a GPU'} ({FLOOR_CMD})"
+        out["why"] = (f"no gemm_floor cell {c['model.name']}-tp{tp}-m{b} on {gpu or 'a GPU'} "
+                      f"({floor_cmd(c.get('hardware.name'))})")
     return out
 
 
@@ -270,7 +271,14 @@ PROF = ["prof_step_ms", "prof_gemm_ms", "prof_attention_ms", "prof_prefix_attn_m
         "prof_other_ms", "prof_host_gap_ms"]
 
 
-FLOOR_CMD = "python -m runners.kernel_bench_gemm_floor hardware=h200"
+FLOOR_CMD = "python -m runners.kernel_bench_gemm_floor hardware=<the cell's hardware option>"
+
+
+def floor_cmd(hardware: object) -> str:
+    """The command measuring the GEMM floor on the GPU a cell ran on: its own hardware option (each GPU model's
+    floors in a folder of their own, conf/kernel_bench_gemm_floor.yaml)."""
+    hw = hardware if isinstance(hardware, str) and hardware else "h200"
+    return f"python -m runners.kernel_bench_gemm_floor hardware={hw}"
 
 
 STEP_ANNOTATION, PREFIX_ANNOTATION = "decode_step", "prefix_attention"
