@@ -30,6 +30,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.common import NOT_MEASURED, NULL, aggregate, placeholder_figure, plt, save_figure, sort_rows, write_table
+from analysis.gpu import ordered
 from analysis.load import Results
 from analysis.measures.kernels import DERIVED_KINDS, OWN_EXHIBIT_KINDS, describe_columns, kernel_frame
 from analysis.paper import paper_claims
@@ -82,7 +83,8 @@ def roofline(t: pd.DataFrame, keys: list[str], out: Path) -> None:
         placeholder_figure("kernel_roofline", out, "kernel rows carry no flops/bytes: roofline not measured")
         return
     gcol = "provenance.gpu_name"
-    by_gpu = list(d.groupby(gcol, sort=True)) if gcol in d.columns and d[gcol].notna().any() else [("GPU ?", d)]
+    by_gpu = [(g, d[d[gcol] == g]) for g in ordered(d[gcol].dropna())] \
+        if gcol in d.columns and d[gcol].notna().any() else [("GPU ?", d)]     # the primary GPU model's panel first
     n = len(by_gpu)
     fig, axes = plt.subplots(1, n + 1, figsize=(4.6 * n + 4.6, 4.6), squeeze=False,
                              gridspec_kw={"width_ratios": [1.1] * n + [1]})
