@@ -271,14 +271,14 @@ PROF = ["prof_step_ms", "prof_gemm_ms", "prof_attention_ms", "prof_prefix_attn_m
         "prof_other_ms", "prof_host_gap_ms"]
 
 
-FLOOR_CMD = "python -m runners.kernel_bench_gemm_floor hardware=<the cell's hardware option>"
-
-
 def floor_cmd(hardware: object) -> str:
     """The command measuring the GEMM floor on the GPU a cell ran on: its own hardware option (each GPU model's
     floors in a folder of their own, conf/kernel_bench_gemm_floor.yaml)."""
-    hw = hardware if isinstance(hardware, str) and hardware else "h200"
+    hw = hardware if isinstance(hardware, str) and hardware else "<the cell's hardware option>"
     return f"python -m runners.kernel_bench_gemm_floor hardware={hw}"
+
+
+FLOOR_CMD = floor_cmd(None)
 
 
 STEP_ANNOTATION, PREFIX_ANNOTATION = "decode_step", "prefix_attention"
