@@ -14,7 +14,8 @@ from hypothesis import given, settings, strategies as st
 from attn_util import FixedPolicy, fake_fi_module  # noqa: F401  (a fixture)
 from granikv.attention import reference as R
 from granikv.attention.graph_step import GraphLimits, GraphStep, capture_plan, plan_graph_step, shared_buffers
-from granikv.attention.row_kernels import gather_q, gather_rows, merge_rows
+from granikv.attention.row_kernels import (GATHER_PROGRAMS_PER_SM, GATHER_ROWS, gather_programs, gather_q,
+                                          gather_rows, merge_rows)
 
 HQ, HKV, D = 4, 2, 8
 
@@ -279,6 +280,15 @@ def test_gather_rows_copies_only_the_counted_pairs():
     gather_rows(dst, src, torch.tensor([5, 0, 3], dtype=torch.int32), torch.tensor([9, 2, 4], dtype=torch.int32),
                 torch.tensor([2], dtype=torch.int32))
     assert dst[5].tolist() == [18.0, 19.0] and dst[0].tolist() == [4.0, 5.0] and (dst[3] == -1).all()
+
+
+def test_gather_rows_grid_is_fixed_per_gpu_not_per_pair():
+    """HydraGen's scratch holds 65,536 pairs: the launch is a few programs per SM whatever the capacity, and a
+    small capacity gets no more programs than its tiles."""
+    sms = 132
+    assert gather_programs(sms, 65536) == GATHER_PROGRAMS_PER_SM * sms == gather_programs(sms, 1 << 20)
+    assert gather_programs(sms, 40) == -(-40 // GATHER_ROWS)
+    assert gather_programs(sms, 0) == 1
 
 
 def test_a_new_prefix_with_the_last_steps_segment_lengths_gets_its_own_slots(fake_fi_module):

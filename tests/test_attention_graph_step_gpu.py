@@ -188,6 +188,17 @@ def test_triton_row_kernels_match_their_torch_math():
     si = torch.randint(0, 500, (64,), device=dev, dtype=torch.int32)
     gather_rows(dst, kv, di, si, torch.tensor([40], device=dev, dtype=torch.int32))
     assert torch.equal(dst[di[:40].long()], kv[si[:40].long()]) and not dst[di[40:].long()].any()
+    # HydraGen's capacity (65,536 pairs, a fixed grid striding over them): counts of none, one partial tile, many
+    # tiles per program, all; a row wider than one column block (masked tail)
+    for cap, rows, counts in ((65536, (8, 128), (0, 5, 20001, 65536)), (4096, (1, 1030), (4095,))):
+        kv = torch.randn(70000, *rows, device=dev, dtype=torch.bfloat16)
+        di = torch.randperm(cap, device=dev).int()
+        si = torch.randint(0, kv.shape[0], (cap,), device=dev, dtype=torch.int32)
+        for n in counts:
+            dst = torch.zeros(cap, *rows, device=dev, dtype=torch.bfloat16)
+            gather_rows(dst, kv, di, si, torch.tensor([n], device=dev, dtype=torch.int32))
+            want = torch.zeros_like(dst).index_copy_(0, di[:n].long(), kv.index_select(0, si[:n].long()))
+            assert torch.equal(dst, want), (cap, rows, n)
 
 
 @needs_cuda

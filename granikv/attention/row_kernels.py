@@ -25,8 +25,10 @@ in torch elsewhere; ``merge_rows_ref`` is that torch math, the reference of the 
 
 gather_rows. ``dst[dst_idx[i]] = src[src_idx[i]]`` for ``i < count[0]``: the index buffers have a fixed
 capacity (a captured graph reads them) and only the first ``count`` pairs, written per step, are live
-(HydraGen's prefix gather into its scratch). The launch covers the capacity; programs past the count
-return at once, so the copy costs what the live rows cost.
+(HydraGen's prefix gather into its scratch). The grid is fixed, a few programs per SM
+(:data:`GATHER_PROGRAMS_PER_SM`), never the capacity: each program strides over the live pairs in tiles of
+:data:`GATHER_ROWS` rows, so a launch's size does not grow with the capacity (65,536 pairs for HydraGen's
+scratch) and a step whose count is small pays for one small launch.
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ from typing import Optional, Sequence
 import torch
 
 MAX_SOURCES = 4
+GATHER_ROWS = 8               # gather_rows: rows per tile of one program
+GATHER_PROGRAMS_PER_SM = 8    # gather_rows: the fixed grid, per streaming multiprocessor
 
 try:  # Triton is on the GPU host; a CPU machine runs the torch path
     import triton
@@ -198,16 +202,25 @@ def gather_q(q: torch.Tensor, perm: torch.Tensor, fold: int,
 
 if triton is not None:
     @triton.jit
-    def _gather_rows_kernel(dst, src, dst_idx, src_idx, count_ptr, row_elems, BLOCK: tl.constexpr):
-        i = tl.program_id(0)
+    def _gather_rows_kernel(dst, src, dst_idx, src_idx, count_ptr, row_elems, ROWS: tl.constexpr,
+                            BLOCK: tl.constexpr):
         n = tl.load(count_ptr)
-        if i < n:
-            s = tl.load(src_idx + i).to(tl.int64)
-            t = tl.load(dst_idx + i).to(tl.int64)
+        for base in range(tl.program_id(0) * ROWS, n, tl.num_programs(0) * ROWS):   # this program's tiles
+            r = base + tl.arange(0, ROWS)                                          # [ROWS] pair indices
+            mr = r < n
+            s = tl.load(src_idx + r, mask=mr, other=0).to(tl.int64)
+            t = tl.load(dst_idx + r, mask=mr, other=0).to(tl.int64)
             for off in range(0, row_elems, BLOCK):
-                e = off + tl.arange(0, BLOCK)
-                m = e < row_elems
-                tl.store(dst + t * row_elems + e, tl.load(src + s * row_elems + e, mask=m), mask=m)
+                e = off + tl.arange(0, BLOCK)                                       # [BLOCK] row elements
+                m = mr[:, None] & (e < row_elems)[None, :]
+                x = tl.load(src + s[:, None] * row_elems + e[None, :], mask=m)
+                tl.store(dst + t[:, None] * row_elems + e[None, :], x, mask=m)
+
+
+def gather_programs(sms: int, capacity: int) -> int:
+    """gather_rows' fixed grid on a GPU of ``sms`` streaming multiprocessors: GATHER_PROGRAMS_PER_SM per SM, no
+    more than the tiles of ``capacity`` pairs (so never a program per pair)."""
+    return max(1, min(GATHER_PROGRAMS_PER_SM * sms, -(-capacity // GATHER_ROWS)))
 
 
 def gather_rows(dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.Tensor, src_idx: torch.Tensor,
@@ -221,4 +234,6 @@ def gather_rows(dst: torch.Tensor, src: torch.Tensor, dst_idx: torch.Tensor, src
         dst.index_copy_(0, dst_idx[:n].long(), src.index_select(0, src_idx[:n].long()))
         return
     row = src[0].numel()
-    _gather_rows_kernel[(dst_idx.numel(),)](dst, src, dst_idx, src_idx, count, row, min(1024, triton.next_power_of_2(row)))
+    sms = torch.cuda.get_device_properties(src.device).multi_processor_count
+    _gather_rows_kernel[(gather_programs(sms, dst_idx.numel()),)](
+        dst, src, dst_idx, src_idx, count, row, GATHER_ROWS, min(1024, triton.next_power_of_2(row)))
