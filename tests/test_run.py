@@ -269,6 +269,7 @@ def test_every_sweep_preset_passes_the_precheck():
     from runners.run import _compose_cached, check_workload, resolve, sweep_jobs
 
     presets = sorted(p.stem for p in (ROOT / "conf" / "sweep").glob("*.yaml"))
+    assert not [p.name for p in (ROOT / "conf" / "system").glob("*.yaml") if "@package" in p.read_text()]
     extra = {"headline_qwen25_32b": [["tp=2", "hardware.mem_fraction=0.87"]],
              "multiprefix_uniform": [["hardware=a100_40gb"]], "multiprefix_hetero": [["hardware=a100_40gb"]]}
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -278,8 +279,9 @@ def test_every_sweep_preset_passes_the_precheck():
                 base.hydra.overrides.task = [f"sweep={preset}", *more]
                 jobs = sweep_jobs(base)
                 assert jobs
-                # repetitions differ only in `rep`, which no fit check reads: one of each configuration
-                distinct = {tuple(o for o in ov if not o.startswith("rep=")): ov for ov in jobs}
+                # the fit check reads the model, tp, the workload and the hardware, never `rep` or the system
+                # (a system option sets keys under `system` only, asserted above): one of each configuration
+                distinct = {tuple(o for o in ov if not o.startswith(("rep=", "system="))): ov for ov in jobs}
                 for ov in distinct.values():
                     check_workload(resolve(_compose_cached(ov, compose)))
 
