@@ -24,11 +24,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # pytest-xdist worker processes for `make test`; each test file runs whole in one worker (its module
-# fixtures are built once); TEST_WORKERS=0 runs the suite in one process
+# fixtures are built once), files handed out in name order (xdist's default, most tests first, would start
+# the one-test files last, the whole-analysis regeneration among them); TEST_WORKERS=0: one process
 TEST_WORKERS ?= 2
 
 test: setup ## Run the CPU test suite, in TEST_WORKERS processes (default 2; installs what it needs on a bare machine)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 smoke: setup ## CPU multirun (tiny model, 2 systems x 2 Lp) into a temp folder, then the analysis on it
 	@d=$$(mktemp -d -t granikv-smoke.XXXXXX) && \
